@@ -1,0 +1,368 @@
+"""hop's dispatcher: where a call to a hop operator goes, and why.
+
+A call computes the dispatch key set of its tensor arguments (plus the TLS
+include set, minus the TLS exclude set and the keys no HOP handles) and takes
+the highest key. The routes, highest precedence first, follow torch's own key
+order, so a hop operator meets the layers of a program exactly where an aten
+operator would:
+
+0. ``__torch_function__``: torch-function modes and overriding arguments
+   (torch.export's non-strict handler sees hop calls here).
+1. ``PreDispatch``: the mode on torch.export's pre-dispatch stack, looked up by
+   mode type in ``op.python_key_table``.
+2. ``FuncTorchDynamicLayerFrontMode``: the innermost functorch transform; the
+   rule ``op.functorch_table[Vmap | Grad | Jvp | Functionalize]`` gets the
+   interpreter and redispatches with ``interpreter.lower()``.
+3. ``Autograd*``: grad mode off or no tensor argument requiring grad -> run
+   again below autograd; otherwise the op's ``DispatchKey.Autograd`` rule.
+4. ``Functionalize``: C++ functionalization (the op's functionalize rule).
+5. ``Python``: the innermost TorchDispatchMode (rule by mode type; a mode with
+   ``supports_higher_order_operators`` gets ``__torch_dispatch__``), then tensor
+   subclasses (a FakeTensor without an active mode uses its ``fake_mode``).
+6. Backend keys (CPU, CUDA, Meta, ...): a per-backend kernel or the
+   ``CompositeExplicitAutograd`` dense kernel.
+
+Keys no HOP handles (autocast, ADInplaceOrView, BackendSelect, ...) fall
+through. Each kernel runs with the layers above it out of the way: the mode it
+serves is popped, autograd is excluded below the autograd route, functorch rules
+lower their interpreter themselves. Every guard and popped mode is a context
+manager, so all of it is restored when a kernel raises.
+
+Plain eager calls (no mode, no transform, no torch-function mode, plain
+tensors that need no grad) take a fast path decided with a handful of cheap
+checks, which lands on the same backend kernel the full computation would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+from torch._C._functorch import maybe_current_level as _functorch_level
+from torch._ops import resolve_key
+from torch.utils._python_dispatch import (
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
+
+from hop import debug
+from hop.errors import MissingRuleError, UnsupportedModeError, format_message
+
+if TYPE_CHECKING:
+    from hop._operator import HigherOrderOperator
+
+__all__ = ["call", "dispatch", "tensors_in", "map_tensors"]
+
+Kernel = Callable[..., Any]
+
+_Tensor = torch.Tensor
+_mode_stack_len = torch._C._len_torch_dispatch_stack
+_tf_mode_enabled = torch._C._is_torch_function_mode_enabled
+_is_included = torch._C._dispatch_tls_is_dispatch_key_included
+_is_functional = torch._is_functional_tensor
+_grad_enabled = torch.is_grad_enabled
+_BelowAutograd = torch._C._AutoDispatchBelowAutograd
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+_SINKS = debug.SINKS
+_SEQUENCES = (tuple, list)
+_CONTAINERS = (tuple, list, dict)
+
+# torch leaves these two untyped
+_pre_dispatch_stack_len: Callable[[], int] = torch._ops._len_torch_dispatch_stack_pre_dispatch
+_pre_dispatch_mode: Callable[[], Any] = torch._ops._get_current_dispatch_mode_pre_dispatch
+
+_K = DispatchKey
+_DEAD_WRAPPER_KEYS = (_K.FuncTorchGradWrapper, _K.FuncTorchBatched)
+_PRE_DISPATCH = _K.PreDispatch
+_FUNCTIONALIZE = _K.Functionalize
+_AUTOGRAD = _K.AutogradFunctionality
+
+
+# --- argument walking -----------------------------------------------------
+
+
+def tensors_in(tree: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors in nested tuples, lists and dicts, in order (no pytree cost)."""
+    if out is None:
+        out = []
+    if isinstance(tree, _Tensor):
+        out.append(tree)
+    elif type(tree) in (tuple, list):
+        for x in tree:
+            if isinstance(x, _Tensor):
+                out.append(x)
+            elif type(x) in (tuple, list, dict):
+                tensors_in(x, out)
+    elif type(tree) is dict:
+        for x in tree.values():
+            tensors_in(x, out)
+    return out
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists and dicts."""
+    if isinstance(tree, _Tensor):
+        return fn(tree)
+    if type(tree) in (tuple, list):
+        return type(tree)(map_tensors(fn, x) for x in tree)
+    if type(tree) is dict:
+        return {k: map_tensors(fn, v) for k, v in tree.items()}
+    return tree
+
+
+def _record(op: HigherOrderOperator, key: Any, route: str, kernel: Any = None, detail: Any = None) -> None:
+    name = getattr(kernel, "__qualname__", None) if kernel is not None else None
+    key_name = str(key).removeprefix("DispatchKey.")
+    rec = debug.DispatchRecord(op.name(), key_name, route, name, None if detail is None else str(detail))
+    for sink in list(debug.SINKS):
+        sink(rec)
+
+
+# --- entry points -----------------------------------------------------------
+
+
+def call(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``op(*args, **kwargs)``: the fast path for plain eager calls, else :func:`dispatch`."""
+    if (
+        not kwargs
+        and not _SINKS
+        and not _mode_stack_len()
+        and _functorch_level() is None
+        and not _tf_mode_enabled()
+        and not _is_included(_PRE_DISPATCH)
+        and not _is_included(_FUNCTIONALIZE)
+    ):
+        kernel = _plain_kernel(op, args)
+        if kernel is not None:
+            # Below autograd, as the Autograd route would do for inputs that need
+            # no grad. Only dense CPU/Meta tensors get here, for which excluding
+            # the autograd functionality bit is what _AutoDispatchBelowAutograd
+            # does, at half the cost.
+            if _is_excluded(_AUTOGRAD):
+                return kernel(*args)
+            _set_excluded(_AUTOGRAD, True)
+            try:
+                return kernel(*args)
+            finally:
+                _set_excluded(_AUTOGRAD, False)
+    tensors = tensors_in((args, kwargs))
+    if torch.overrides.has_torch_function(tensors):
+        _record(op, "TorchFunction", "torch-function")
+        return torch.overrides.handle_torch_function(op, tensors, *args, **kwargs)
+    return dispatch(op, _highest_key(op, tensors), args, kwargs)
+
+
+def _plain_kernel(op: HigherOrderOperator, args: tuple[Any, ...]) -> Kernel | None:
+    """The backend kernel if every tensor in ``args`` (at most one level of tuple/list
+    deep) is a plain dense CPU or Meta tensor that needs no grad; else None."""
+    grad = _grad_enabled()
+    seen = on_cpu = on_meta = False
+    for arg in args:
+        for t in arg if type(arg) in _SEQUENCES else (arg,):
+            if isinstance(t, _Tensor):
+                if type(t) is not _Tensor or _is_functional(t) or (grad and t.requires_grad):
+                    return None
+                if t.is_cpu:
+                    on_cpu = True
+                elif t.is_meta:
+                    on_meta = True
+                else:
+                    return None
+                seen = True
+            elif type(t) in _CONTAINERS:
+                return None
+    if not seen or (on_cpu and on_meta):
+        return None
+    key = _K.CPU if on_cpu else _K.Meta
+    return op._hop_kernels.get(key) or _kernel(op, key)
+
+
+def _highest_key(op: HigherOrderOperator, tensors: Iterable[torch.Tensor]) -> DispatchKey:
+    keys = torch._C._dispatch_tls_local_include_set()
+    for t in tensors:
+        keys = keys | torch._C._dispatch_keys(t)
+    keys = (keys - torch._C._dispatch_tls_local_exclude_set()) & op.non_fallthrough_keys
+    return keys.highestPriorityTypeId()
+
+
+def redispatch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Dispatch again from the current TLS state, without torch-function handling."""
+    return dispatch(op, _highest_key(op, tensors_in((args, kwargs))), args, kwargs)
+
+
+def dispatch(op: HigherOrderOperator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``op`` at dispatch key ``key``; the routes in the module docstring's order."""
+    if key == _K.PreDispatch:
+        return _pre_dispatch(op, args, kwargs)
+    if key == _K.FuncTorchDynamicLayerFrontMode:
+        return _functorch(op, args, kwargs)
+    if torch._C._dispatch_is_included_in_alias(key, _K.Autograd):
+        return _autograd(op, key, args, kwargs)
+    if key == _K.Functionalize:
+        kernel = _kernel(op, key, "functionalize rule", "Functionalize")
+        _record(op, key, "kernel", kernel)
+        return kernel(*args, **kwargs)
+    if key == _K.Python:
+        return _python(op, args, kwargs)
+    if key in _DEAD_WRAPPER_KEYS:
+        # functorch wrappers that outlived their transform: unwrap and go on.
+        args, kwargs = map_tensors(torch._C._functorch.unwrap_if_dead, (args, kwargs))
+        return redispatch(op, args, kwargs)
+    kernel = op._hop_kernels.get(key) or _kernel(op, key)
+    _record(op, key, "kernel", kernel)
+    return kernel(*args, **kwargs)
+
+
+# --- the routes ---------------------------------------------------------------
+
+
+def _pre_dispatch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if _pre_dispatch_stack_len() > 0 and not torch._C._dispatch_tls_is_dispatch_key_excluded(_K.Python):
+        mode = _pre_dispatch_mode()
+        handler = _lookup(op.python_key_table, type(mode))
+        if handler is None:
+            raise _unsupported_mode(op, mode)
+        _record(op, _K.PreDispatch, "mode", handler, type(mode).__name__)
+        with _pop_mode_temporarily(_K.PreDispatch) as popped:
+            return handler(popped, *args, **kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(DispatchKeySet(_K.PreDispatch)):
+        return redispatch(op, args, kwargs)
+
+
+def _functorch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    interpreter = retrieve_current_functorch_interpreter()
+    transform = interpreter.key()
+    rule = op.functorch_table.get(transform)
+    if rule is None:
+        raise MissingRuleError(
+            format_message(
+                op.name(),
+                f"has no rule for the functorch transform {transform.name}",
+                fix=f"Register one with @torch.ops.hop.{op.name()}.py_impl(TransformType.{transform.name}).",
+            ),
+            op=op.name(),
+        )
+    args, kwargs = map_tensors(torch._C._functorch.unwrap_if_dead, (args, kwargs))
+    lift = getattr(interpreter, "lift", None)
+    if lift is not None:  # Grad and Jvp: bring every tensor to this level first
+        args, kwargs = lift(args, kwargs)
+    _record(op, _K.FuncTorchDynamicLayerFrontMode, "transform", rule, f"{transform.name} level {interpreter.level()}")
+    return rule(interpreter, *args, **kwargs)
+
+
+def _autograd(op: HigherOrderOperator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    tensors = tensors_in((args, kwargs))
+    if not _grad_enabled() or not any(t.requires_grad for t in tensors):
+        _record(op, key, "below-autograd")
+        with _BelowAutograd():
+            return redispatch(op, args, kwargs)
+    kernel = _kernel(op, key, "autograd rule", "Autograd")
+    _record(op, key, "kernel", kernel)
+    return kernel(*args, **kwargs)
+
+
+def _python(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = _get_current_dispatch_mode()
+    if mode is not None:
+        handler = _lookup(op.python_key_table, type(mode))
+        if handler is not None:
+            _record(op, _K.Python, "mode", handler, type(mode).__name__)
+            with _pop_mode_temporarily() as popped:
+                result = handler(popped, *args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        elif getattr(mode, "supports_higher_order_operators", False):
+            _record(op, _K.Python, "mode.__torch_dispatch__", None, type(mode).__name__)
+            with _pop_mode_temporarily() as popped:
+                return popped.__torch_dispatch__(op, [], args, kwargs)
+        else:
+            raise _unsupported_mode(op, mode)
+    seen: list[type] = []
+    for t in tensors_in((args, kwargs)):
+        cls = type(t)
+        if cls in seen or cls.__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl:
+            continue
+        seen.append(cls)
+        if isinstance(t, FakeTensor):
+            handler = _lookup(op.python_key_table, FakeTensorMode)
+            call_args: tuple[Any, ...] = (t.fake_mode, *args)
+        else:
+            handler = _lookup(op.python_key_table, cls)
+            call_args = args
+        if handler is None:
+            raise MissingRuleError(
+                format_message(
+                    op.name(),
+                    f"has no rule for the tensor subclass {cls.__qualname__}",
+                    fix=f"Register one with @torch.ops.hop.{op.name()}.py_impl({cls.__qualname__}).",
+                ),
+                op=op.name(),
+            )
+        _record(op, _K.Python, "subclass", handler, cls.__qualname__)
+        result = handler(*call_args, **kwargs)
+        if result is not NotImplemented:
+            return result
+    raise MissingRuleError(
+        format_message(
+            op.name(),
+            f"every rule for the active mode ({type(mode).__name__ if mode else None}) and the tensor "
+            f"subclasses ({', '.join(c.__qualname__ for c in seen) or 'none'}) returned NotImplemented",
+        ),
+        op=op.name(),
+    )
+
+
+# --- kernel lookup ----------------------------------------------------------------
+
+
+def _lookup(table: dict[Any, Kernel], cls: type) -> Kernel | None:
+    """The rule registered for ``cls`` or its nearest base class."""
+    for base in cls.__mro__:
+        rule = table.get(base)
+        if rule is not None:
+            return rule
+    return None
+
+
+def _kernel(
+    op: HigherOrderOperator, key: DispatchKey, what: str = "kernel", target: str = "CompositeExplicitAutograd"
+) -> Kernel:
+    """The kernel for ``key`` (direct, alias or CompositeExplicitAutograd), cached per key."""
+    kernel = op._hop_kernels.get(key)
+    if kernel is not None:
+        return kernel
+    try:
+        kernel = op.py_kernels.get(resolve_key(op, key))
+    except NotImplementedError:
+        kernel = None
+    if kernel is None or isinstance(kernel, DispatchKey):
+        raise MissingRuleError(
+            format_message(
+                op.name(),
+                f"has no {what} for dispatch key {key.name}",
+                fix=f"Register one with @torch.ops.hop.{op.name()}.py_impl(DispatchKey.{target}).",
+            ),
+            op=op.name(),
+        )
+    op._hop_kernels[key] = kernel
+    return kernel
+
+
+def _unsupported_mode(op: HigherOrderOperator, mode: Any) -> UnsupportedModeError:
+    name = type(mode).__qualname__
+    return UnsupportedModeError(
+        format_message(
+            op.name(),
+            f"the active TorchDispatchMode {name} has no rule for this operator",
+            fix=f"Register one with @torch.ops.hop.{op.name()}.py_impl({name}), or set "
+            f"{name}.supports_higher_order_operators = True to receive hop operators in its __torch_dispatch__.",
+        ),
+        op=op.name(),
+    )

@@ -1,0 +1,189 @@
+"""The HigherOrderOperator base class and the ``torch.ops.hop`` namespace.
+
+A hop operator is an instance of ``torch._ops.HigherOrderOperator`` (torch.fx,
+the export verifier and the serializer key on that class) that
+
+- lives at ``torch.ops.hop.<name>`` and prints as such in FX graph code, so a
+  saved exported program resolves it again on load once ``hop`` is imported;
+- never registers into ``torch.ops.higher_order`` (torch's constructor does,
+  under the op's name; hop restores whatever was there);
+- is called through hop's own dispatcher (:mod:`hop._dispatch`).
+
+Kernels are registered with torch's spelling: ``op.py_impl(DispatchKey...)``,
+``op.py_impl(SomeTorchDispatchMode)``, ``op.py_impl(SomeTensorSubclass)``,
+``op.py_impl(TransformType...)``, ``op.py_autograd_impl``,
+``op.py_functionalize_impl``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch._ops
+from torch._C import DispatchKey
+from torch._C._functorch import TransformType
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hop import _dispatch
+from hop.errors import HopTypeError, HopValueError, format_message
+
+__all__ = ["HigherOrderOperator", "registered_ops"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# Every hop operator by name: the source of truth for torch.ops.hop.
+_REGISTRY: dict[str, HigherOrderOperator] = {}
+_MISSING = object()
+
+
+class _HopNamespace(torch._ops._OpNamespace):
+    """``torch.ops.hop``: hop's operators, then any ``torch.library`` op ``hop::<name>``."""
+
+    def __init__(self) -> None:
+        super().__init__("hop")
+
+    def __getattr__(self, name: str) -> Any:
+        op = _REGISTRY.get(name)
+        if op is not None:
+            return op
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            known = ", ".join(sorted(_REGISTRY)) or "none"
+            raise AttributeError(f"torch.ops.hop has no operator {name!r}; known hop operators: {known}") from None
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(_REGISTRY))
+
+
+_NAMESPACE = _HopNamespace()
+
+
+def _install_namespace() -> None:
+    # Unconditional: an earlier access (e.g. a failed torch.export.load) may
+    # have cached a plain _OpNamespace under this name.
+    torch.ops.hop = _NAMESPACE  # type: ignore[attr-defined]
+    if "hop" not in torch.ops._dir:
+        torch.ops._dir.append("hop")
+
+
+def registered_ops() -> dict[str, HigherOrderOperator]:
+    """A copy of the name -> operator table behind ``torch.ops.hop``."""
+    return dict(_REGISTRY)
+
+
+class HigherOrderOperator(torch._ops.HigherOrderOperator):
+    """Base class of every hop operator, and of the HOPs users define.
+
+    Args:
+        name: a Python identifier; the op becomes ``torch.ops.hop.<name>``.
+            Creating a second op with the same name replaces the first in
+            ``torch.ops.hop`` (as re-running a module that defines it would).
+        cacheable: forwarded to torch (AOTAutograd's cache may key on it).
+
+    Example::
+
+        apply = hop.HigherOrderOperator("apply")
+
+        @apply.py_impl(DispatchKey.CompositeExplicitAutograd)
+        def apply_dense(fn, *tensors):
+            return fn(*tensors)
+    """
+
+    def __init__(self, name: str, *, cacheable: bool = False) -> None:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise HopValueError(
+                format_message("HigherOrderOperator", f"name must be a Python identifier, got {name!r}"),
+                role="name",
+            )
+        registry = torch._ops._higher_order_ops
+        previous = registry.get(name, _MISSING)
+        try:
+            super().__init__(name, cacheable=cacheable)  # type: ignore[no-untyped-call]
+        finally:  # torch's constructor registers under torch.ops.higher_order: undo it
+            if previous is _MISSING:
+                registry.pop(name, None)
+            else:
+                registry[name] = previous  # type: ignore[assignment]
+        self._ns = "hop"
+        self.__module__ = "torch.ops.hop"
+        self.__qualname__ = name
+        # hop's resolved-kernel cache per dispatch key; cleared on registration.
+        self._hop_kernels: dict[DispatchKey, Callable[..., Any]] = {}
+        _REGISTRY[name] = self
+        _install_namespace()
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        return _dispatch.call(self, args, kwargs)
+
+    def dispatch(self, /, dispatch_key: DispatchKey, *args: Any, **kwargs: Any) -> Any:
+        """Run at ``dispatch_key`` through hop's dispatcher (torch code may call this)."""
+        return _dispatch.dispatch(self, dispatch_key, args, kwargs)
+
+    def py_impl(
+        self,
+        k: type[TorchDispatchMode] | type[torch.Tensor] | TransformType | DispatchKey,
+    ) -> Callable[[_F], _F]:
+        """Register a kernel for a dispatch key, mode type, tensor subclass or transform."""
+        if not (
+            isinstance(k, (DispatchKey, TransformType))
+            or (isinstance(k, type) and issubclass(k, (TorchDispatchMode, torch.Tensor)))
+        ):
+            raise HopTypeError(
+                format_message(
+                    self.name(),
+                    f"py_impl takes a DispatchKey, TransformType, TorchDispatchMode type or Tensor "
+                    f"subclass, got {type(k).__name__}",
+                ),
+                op=self.name(),
+            )
+        table: dict[Any, Any]
+        if isinstance(k, DispatchKey):
+            table = self.py_kernels
+        elif isinstance(k, TransformType):
+            table = self.functorch_table
+        else:
+            table = self.python_key_table
+        if k in table:
+            raise HopValueError(
+                format_message(self.name(), f"a rule for {k} is already registered"),
+                op=self.name(),
+            )
+        register = super().py_impl(k)
+
+        def inner(fn: _F) -> _F:
+            self._hop_kernels.clear()
+            register(fn)
+            return fn
+
+        return inner
+
+    def py_autograd_impl(self, fn: _F) -> _F:
+        """Register ``fn`` as the autograd rule.
+
+        Unlike torch's helper, no wrapper is added: hop's dispatcher already
+        sends calls with grad off, or with no input requiring grad, below autograd.
+        """
+        self.py_impl(DispatchKey.Autograd)(fn)
+        return fn
+
+    def name(self) -> str:
+        """The operator's name: ``torch.ops.hop.<name>``."""
+        return str(self._name)
+
+    def __repr__(self) -> str:
+        return f"torch.ops.hop.{self.name()}"
+
+    def __reduce__(self) -> tuple[Callable[[str], HigherOrderOperator], tuple[str]]:
+        return (_lookup_op, (self.name(),))
+
+
+def _lookup_op(name: str) -> HigherOrderOperator:
+    return _REGISTRY[name]
+
+
+_install_namespace()

@@ -1,0 +1,100 @@
+"""The hop exception hierarchy.
+
+Every user mistake raises a subclass of :class:`HopError`. Each subclass also
+derives from the builtin that fits, so ``except TypeError`` keeps working for
+code written against torch's control-flow functions.
+
+Messages follow one shape: ``hop.<op>: <role>: <what differs>. <how to fix>``,
+with the pytree path of the offending output (``output[1]["h"]``) when there is
+one. :func:`format_message` builds that shape so every raise site agrees.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HopError",
+    "HopTypeError",
+    "HopValueError",
+    "HopRuntimeError",
+    "OutputMismatchError",
+    "AliasingError",
+    "MutationError",
+    "UnsupportedModeError",
+    "MissingRuleError",
+    "format_message",
+]
+
+
+def format_message(
+    op: str,
+    what: str,
+    *,
+    role: str | None = None,
+    path: str | None = None,
+    fix: str | None = None,
+) -> str:
+    """Build ``hop.<op>: <role>: <path>: <what>. <fix>``, skipping absent parts."""
+    parts = [f"hop.{op}"]
+    if role:
+        parts.append(role)
+    if path:
+        parts.append(path)
+    msg = ": ".join(parts) + ": " + what
+    if fix:
+        msg = msg.rstrip(".") + ". " + fix
+    return msg
+
+
+class HopError(Exception):
+    """Base class of every error hop raises for a user mistake.
+
+    Attributes:
+        op: the operator's name (``"cond"``), or ``None`` for framework errors.
+        role: the callable or argument at fault (``"true_fn"``, ``"operands"``).
+        path: the pytree path of the offending value (``'output[1]["h"]'``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str | None = None,
+        role: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.role = role
+        self.path = path
+
+
+class HopTypeError(HopError, TypeError):
+    """A value of the wrong kind: not callable, not a tensor, wrong dtype."""
+
+
+class HopValueError(HopError, ValueError):
+    """A value of the right kind but out of range or of the wrong size."""
+
+
+class HopRuntimeError(HopError, RuntimeError):
+    """A call that cannot proceed in the current context."""
+
+
+class OutputMismatchError(HopTypeError):
+    """Outputs of branches or bodies disagree in structure or metadata."""
+
+
+class AliasingError(HopRuntimeError):
+    """A subgraph output aliases one of its inputs where that is not allowed."""
+
+
+class MutationError(HopRuntimeError):
+    """A subgraph mutates one of its inputs where that is not supported."""
+
+
+class UnsupportedModeError(HopRuntimeError):
+    """A TorchDispatchMode that does not handle higher-order operators."""
+
+
+class MissingRuleError(HopRuntimeError, NotImplementedError):
+    """The operator has no rule for a dispatch key, mode, subclass or transform."""
