@@ -4,12 +4,17 @@ Public API only; see DESIGN.md and docs/ for the contract.
 """
 
 from hop import _subgraph as subgraph
-from hop import debug, errors
+from hop import config, debug, errors
 from hop._operator import HigherOrderOperator, registered_ops
 from hop.errors import HopError
+from hop.ops.cond import cond
+from hop.ops.switch import switch
 
 __all__ = [
     "HigherOrderOperator",
+    "cond",
+    "config",
+    "switch",
     "HopError",
     "debug",
     "errors",

@@ -32,12 +32,17 @@ __all__ = [
     "unflatten",
     "leaf_paths",
     "describe",
+    "describe_fn",
+    "LeafMeta",
+    "leaf_meta",
     "check_same_outputs",
     "trace_subgraph",
+    "trace_branches",
     "emit",
     "Effects",
     "find_mutations_and_aliases",
     "clone_aliases",
+    "clone_aliased_outputs",
 ]
 
 TreeSpec = Any  # a py or cxx pytree spec; both support equality and unflatten
@@ -79,19 +84,39 @@ def describe(value: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Meta:
+class LeafMeta:
+    """What output checks compare of a leaf: its kind, dtype, device and shape."""
+
     kind: str
     dtype: torch.dtype | None = None
     device: torch.device | None = None
-    ndim: int | None = None
+    shape: tuple[Any, ...] = ()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
 
-def _meta(leaf: Any) -> _Meta:
+def leaf_meta(leaf: Any) -> LeafMeta:
+    """The :class:`LeafMeta` of a leaf (a LeafMeta is returned unchanged)."""
+    if isinstance(leaf, LeafMeta):
+        return leaf
     if isinstance(leaf, torch.Tensor):
-        return _Meta("Tensor", leaf.dtype, leaf.device, leaf.dim())
+        return LeafMeta("Tensor", leaf.dtype, leaf.device, tuple(leaf.shape))
     if isinstance(leaf, (int, torch.SymInt)) and not isinstance(leaf, bool):
-        return _Meta("int")
-    return _Meta(type(leaf).__name__)
+        return LeafMeta("int")
+    return LeafMeta(type(leaf).__name__)
+
+
+def describe_fn(fn: Any) -> str:
+    """``name (file.py:12)`` for a callable, for error messages."""
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+    if code is None:
+        return name
+    return f"{name} ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
 
 
 def _fmt_dtype(d: torch.dtype | None) -> str:
@@ -105,6 +130,7 @@ def check_same_outputs(
     *,
     root: str = "output",
     check_rank: bool = True,
+    fns: Sequence[Any] | None = None,
 ) -> None:
     """Raise :class:`OutputMismatchError` unless every output has the structure,
     leaf kinds, dtypes, devices (and ranks) of ``outputs[0]``.
@@ -112,19 +138,23 @@ def check_same_outputs(
     Args:
         op: operator name for the message (``"cond"``).
         roles: a name per output, e.g. ``("true_fn", "false_fn")``.
-        outputs: what each callable returned.
+        outputs: what each callable returned (leaves may be :class:`LeafMeta`).
         root: the name of the output in paths (``output[1]["h"]``).
         check_rank: sizes may always differ; ranks too when False.
+        fns: the callables, to name them and their source in the message.
     """
     ref_leaves, ref_spec = flatten(outputs[0])
-    for role, out in zip(roles[1:], outputs[1:], strict=True):
+    for k in range(1, len(outputs)):
+        role, out = roles[k], outputs[k]
+        pair = f"{roles[0]} and {role}"
+        where = "" if fns is None else f" ({roles[0]} is {describe_fn(fns[0])}, {role} is {describe_fn(fns[k])})"
         leaves, spec = flatten(out)
         if spec != ref_spec:
             raise OutputMismatchError(
                 format_message(
                     op,
-                    f"{roles[0]} and {role} return different structures: {_spec_str(outputs[0])} vs {_spec_str(out)}",
-                    fix=f"Make {roles[0]} and {role} return the same pytree structure.",
+                    f"{pair} return different structures: {_spec_str(outputs[0])} vs {_spec_str(out)}{where}",
+                    fix=f"Make {pair} return the same pytree structure.",
                 ),
                 op=op,
                 role=role,
@@ -132,7 +162,7 @@ def check_same_outputs(
             )
         paths = leaf_paths(outputs[0], root)
         for path, a, b in zip(paths, ref_leaves, leaves, strict=True):
-            ma, mb = _meta(a), _meta(b)
+            ma, mb = leaf_meta(a), leaf_meta(b)
             diff = None
             if ma.kind != mb.kind:
                 diff = f"{ma.kind} vs {mb.kind}"
@@ -141,12 +171,12 @@ def check_same_outputs(
             elif ma.device != mb.device:
                 diff = f"device {ma.device} vs {mb.device}"
             elif check_rank and ma.ndim != mb.ndim:
-                diff = f"rank {ma.ndim} vs {mb.ndim} (shapes {tuple(a.shape)} vs {tuple(b.shape)})"
+                diff = f"rank {ma.ndim} vs {mb.ndim} (shapes {tuple(ma.shape)} vs {tuple(mb.shape)})"
             if diff is not None:
                 raise OutputMismatchError(
                     format_message(
                         op,
-                        f"{roles[0]} and {role} disagree at {path}: {diff}",
+                        f"{pair} disagree at {path}: {diff}{where}",
                         fix=f"Make both return the same kind of value at {path}.",
                     ),
                     op=op,
@@ -182,6 +212,141 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
         return proxy_tensor.make_fx(fn, tracing_mode="fake")(*args)
     with fake_mode:
         return proxy_tensor.make_fx(fn, tracing_mode="real")(*args)
+
+
+# Note [closure lifting]
+# A branch may use tensors and SymInts it closes over (a module's parameters, a
+# size read from another input). Traced by a sub-tracer they are unknown there:
+# torch would bake a tensor into the subgraph as a get_attr constant (holding a
+# FakeTensor under export, which breaks save/load) and fail on a SymInt. While a
+# branch is traced, hop swaps the sub-tracer's tensor and SymInt trackers for
+# ones that, on a miss, ask the parent tracer: if the parent knows the value, a
+# new placeholder is added to the subgraph and the value becomes an extra operand
+# of the operator. Only what the branch uses is lifted; nested operators lift
+# through every level on the way up.
+
+
+class _LiftingTracker:
+    """A tracker that lifts values known to ``parent`` into new placeholders."""
+
+    def __init__(self, inner: Any, parent: Any, lift: Callable[[Any], Any]) -> None:
+        self._inner = inner
+        self._parent = parent
+        self._lift = lift
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        value = self._inner.get(key)
+        if value is None and self._parent.get(key) is not None:
+            value = self._lift(key)
+            self._inner[key] = value
+        return default if value is None else value
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._inner[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._inner[key] = value
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._inner
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __iter__(self) -> Any:
+        return iter(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _install_lifting(sub: Any, parent: Any, lifted: list[Any], nodes: list[torch.fx.Node]) -> None:
+    from torch.fx.experimental import proxy_tensor
+
+    def placeholder(value: Any) -> torch.fx.Proxy:
+        graph = sub.graph
+        anchor = next((n for n in graph.nodes if n.op != "placeholder"), None)
+        with graph.inserting_before(anchor):
+            node = graph.placeholder(f"lifted_{len(lifted)}")
+        lifted.append(value)
+        nodes.append(node)
+        return torch.fx.Proxy(node, sub)
+
+    def lift_tensor(t: torch.Tensor) -> Any:
+        proxy = placeholder(t)
+        proxy_tensor.set_meta(proxy, t)
+        return proxy_tensor._ProxyTensor(proxy, None)
+
+    def lift_sym(s: Any) -> Any:
+        proxy = placeholder(s)
+        proxy.node.meta["val"] = s
+        return proxy_tensor.thunkify(sub, lambda: proxy)
+
+    sub.tensor_tracker = _LiftingTracker(sub.tensor_tracker, parent.tensor_tracker, lift_tensor)
+    sub.symnode_tracker = _LiftingTracker(sub.symnode_tracker, parent.symnode_tracker, lift_sym)
+
+
+def trace_branches(
+    fns: Sequence[Callable[..., Any]], args: Sequence[Any]
+) -> tuple[list[torch.fx.GraphModule], list[Any]]:
+    """Trace each of ``fns`` on ``args``, lifting what they close over.
+
+    Returns the graphs and the lifted values (tensors, SymInts of the parent
+    trace, in first-use order). Every graph takes ``(*args, *lifted)``: a graph
+    that does not use a lifted value has an unused placeholder for it. See
+    Note [closure lifting]. Outside make_fx nothing is lifted.
+    """
+    from torch.fx.experimental import proxy_tensor
+
+    outer = proxy_tensor._CURRENT_MAKE_FX_TRACER
+    parent = outer.fx_tracer if outer is not None else None
+    traced: list[tuple[torch.fx.GraphModule, list[Any], list[torch.fx.Node]]] = []
+    for fn in fns:
+        lifted: list[Any] = []
+        nodes: list[torch.fx.Node] = []
+
+        def lifting(*a: Any, fn: Callable[..., Any] = fn, lifted: list[Any] = lifted, nodes: list[Any] = nodes) -> Any:
+            current = proxy_tensor._CURRENT_MAKE_FX_TRACER
+            if parent is not None and current is not None and current.fx_tracer is not parent:
+                _install_lifting(current.fx_tracer, parent, lifted, nodes)
+            return fn(*a)
+
+        traced.append((trace_subgraph(lifting, args), lifted, nodes))
+    union: list[Any] = []
+    for _, lifted, _ in traced:
+        union.extend(v for v in lifted if not any(_same_value(v, u) for u in union))
+    for gm, lifted, nodes in traced:
+        _align_placeholders(gm, lifted, nodes, union)
+    return [gm for gm, _, _ in traced], union
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Lifted values that stand for the same thing: one tensor, or one symbolic expression."""
+    if a is b:
+        return True
+    sym = (torch.SymInt, torch.SymBool, torch.SymFloat)
+    return isinstance(a, sym) and isinstance(b, sym) and a.node.expr == b.node.expr
+
+
+def _align_placeholders(
+    gm: torch.fx.GraphModule, lifted: list[Any], nodes: list[torch.fx.Node], union: list[Any]
+) -> None:
+    """Make ``gm``'s lifted placeholders follow ``union``'s order, adding unused ones."""
+    if not union:
+        return
+    graph = gm.graph
+    anchor = next(n for n in graph.nodes if n.op != "placeholder")
+    for i, value in enumerate(union):
+        with graph.inserting_before(anchor):
+            new = graph.placeholder(f"lifted_arg_{i}")
+        old = next((n for v, n in zip(lifted, nodes, strict=True) if _same_value(v, value)), None)
+        if old is None:
+            new.meta["val"] = value
+        else:
+            new.meta = dict(old.meta)
+            old.replace_all_uses_with(new)
+            graph.erase_node(old)
+    gm.recompile()
 
 
 def emit(mode: Any, op: Any, args: Sequence[Any], out: Any) -> Any:
@@ -269,6 +434,19 @@ def find_mutations_and_aliases(gm: torch.fx.GraphModule) -> Effects:
 
 def _is_written_kwarg(target: torch._ops.OpOverload, name: str) -> bool:
     return any(a.name == name and a.is_write for a in target._schema.arguments)
+
+
+def clone_aliased_outputs(gm: torch.fx.GraphModule, effects: Effects) -> None:
+    """Clone, inside ``gm``, the outputs that alias its inputs (``effects.aliased``)."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    flat, spec = py_pytree.tree_flatten(out_node.args[0])
+    for j in {j for j, _ in effects.aliased}:
+        with gm.graph.inserting_before(out_node):
+            clone = gm.graph.call_function(torch.ops.aten.clone.default, (flat[j],))
+        clone.meta["val"] = flat[j].meta["val"].clone()
+        flat[j] = clone
+    out_node.args = (py_pytree.tree_unflatten(flat, spec),)
+    gm.recompile()
 
 
 def clone_aliases(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:

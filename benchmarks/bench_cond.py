@@ -1,0 +1,124 @@
+"""hop.cond / hop.switch against a Python ``if`` and torch.cond, measured in one run.
+
+Targets (issue 3): steady-state eager hop.cond on a tiny tensor at most 2.0x the
+Python ``if``; first call (validation included) at most 30 ms; torch.export of a
+model using hop.cond no slower than exporting its torch.cond twin.
+Run: ``python benchmarks/bench_cond.py`` (``--quick`` skips torch.cond's slow eager path).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import per_call_us, report
+
+import hop
+
+
+def true_fn(a: torch.Tensor) -> torch.Tensor:
+    return a.sin()
+
+
+def false_fn(a: torch.Tensor) -> torch.Tensor:
+    return a.cos()
+
+
+def steady_state(quick: bool) -> None:
+    x = torch.randn(8)
+    p = torch.tensor(True)
+    i = torch.tensor(1)
+    branches = [true_fn, false_fn, torch.tanh]
+    rows = [
+        ("python: true_fn(x) if p else false_fn(x)", per_call_us(lambda: true_fn(x) if p else false_fn(x))),
+        ("hop.cond(p, true_fn, false_fn, (x,))", per_call_us(lambda: hop.cond(p, true_fn, false_fn, (x,)))),
+        (
+            "hop.cond with fresh lambdas each call",
+            per_call_us(lambda: hop.cond(p, lambda a: a.sin(), lambda a: a.cos(), (x,))),
+        ),
+        ("python: branches[int(i)](x)", per_call_us(lambda: branches[int(i)](x))),
+        ("hop.switch(i, branches, (x,))", per_call_us(lambda: hop.switch(i, branches, (x,)))),
+        (
+            "torch.ops.hop.cond(p, true_fn, false_fn, (x,)) (raw op)",
+            per_call_us(lambda: torch.ops.hop.cond(p, true_fn, false_fn, (x,))),
+        ),
+    ]
+    if not quick:
+        rows.append(
+            (
+                "torch.cond(p, true_fn, false_fn, (x,))",
+                per_call_us(lambda: torch.cond(p, true_fn, false_fn, (x,)), number=50, repeat=5),
+            )
+        )
+    report("steady-state eager, 8 floats", rows, baseline="python: true_fn(x) if p else false_fn(x)")
+
+
+def first_call(quick: bool) -> None:
+    x = torch.randn(8)
+    p = torch.tensor(True)
+
+    def t_new(a: torch.Tensor) -> torch.Tensor:  # new code objects: a signature never seen
+        return a.sin() * 2
+
+    def f_new(a: torch.Tensor) -> torch.Tensor:
+        return a.cos() + 1
+
+    start = time.perf_counter()
+    hop.cond(p, t_new, f_new, (x,))
+    rows = [("hop.cond first call (validation included)", (time.perf_counter() - start) * 1e3)]
+    if not quick:
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        torch.cond(p, t_new, f_new, (x,))
+        rows.append(("torch.cond first call", (time.perf_counter() - start) * 1e3))
+    report("first call", rows, baseline=rows[0][0], unit="ms")
+
+
+class HopModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hop.cond(x.sum() > 0, lambda a: self.lin(a).relu(), lambda a: self.lin(a).tanh(), (x,))
+
+
+class TorchModel(HopModel):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda a: self.lin(a).relu(), lambda a: self.lin(a).tanh(), (x,))
+
+
+def export_time() -> None:
+    x = torch.randn(4, 16)
+
+    def best(model: torch.nn.Module) -> float:
+        times = []
+        for _ in range(3):
+            torch._dynamo.reset()
+            start = time.perf_counter()
+            torch.export.export(model, (x,))
+            times.append((time.perf_counter() - start) * 1e3)
+        return min(times)
+
+    rows = [
+        ("torch.export of the torch.cond model", best(TorchModel())),
+        ("torch.export of the hop.cond model", best(HopModel())),
+    ]
+    report("torch.export", rows, baseline=rows[0][0], unit="ms")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    quick = "--quick" in sys.argv
+    steady_state(quick)
+    first_call(quick)
+    if not quick:
+        export_time()
+
+
+if __name__ == "__main__":
+    main()

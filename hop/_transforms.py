@@ -1,0 +1,106 @@
+"""Small helpers the operators' rules share for functorch levels and eager checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._C._functorch import _add_batch_dim, _unwrap_batched
+from torch._C._functorch import is_batchedtensor as _is_batched
+from torch._C._functorch import is_functorch_wrapped_tensor as _is_wrapped
+from torch._C._functorch import maybe_current_level as _functorch_level
+
+__all__ = [
+    "in_plain_eager",
+    "is_concrete",
+    "unwrap_batched",
+    "add_batch_dims",
+    "is_plain_tensor",
+    "mode_stack_len",
+    "functorch_level",
+    "tf_mode_enabled",
+    "is_included",
+    "PRE_DISPATCH",
+    "is_dynamo_compiling",
+    "outside_dynamo",
+]
+
+_Tensor = torch.Tensor
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+# The 0.05 us checks an eager fast path makes (inline them: a call costs as much).
+mode_stack_len = torch._C._len_torch_dispatch_stack
+tf_mode_enabled = torch._C._is_torch_function_mode_enabled
+is_included = torch._C._dispatch_tls_is_dispatch_key_included
+functorch_level = _functorch_level
+PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+
+
+def is_plain_tensor(x: Any) -> bool:
+    """A dense real tensor (or Parameter) that no mode or wrapper stands behind."""
+    return type(x) in _PLAIN_TYPES and not x.is_meta and not torch._is_functional_tensor(x)
+
+
+def _no_modes() -> bool:
+    return not mode_stack_len() and not tf_mode_enabled() and not is_included(PRE_DISPATCH)
+
+
+def in_plain_eager() -> bool:
+    """No dispatch mode, torch-function mode, pre-dispatch tracer or functorch transform is active."""
+    return (
+        not mode_stack_len() and _functorch_level() is None and not tf_mode_enabled() and not is_included(PRE_DISPATCH)
+    )
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether ``x`` (a predicate or index) can be read now to choose a branch.
+
+    True for Python bools and ints, and for tensors that are real under every
+    functorch wrapper while no dispatch mode is active (so nothing is tracing).
+    SymBools, SymInts, fake, meta and functional tensors are not concrete.
+    """
+    if type(x) in (bool, int):
+        return True
+    if not isinstance(x, _Tensor) or not _no_modes():
+        return False
+    while _is_wrapped(x):
+        if _is_batched(x):  # one value per batch element: not one branch to choose
+            return False
+        x = torch._C._functorch.get_unwrapped(x)
+    return is_plain_tensor(x)
+
+
+is_dynamo_compiling = torch.compiler.is_dynamo_compiling  # False, except while Dynamo traces
+
+
+def outside_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` as plain Python while Dynamo traces the caller.
+
+    hop's operators are Python all the way down; traced by Dynamo they would
+    be inlined piecemeal (and compiled, fake-tensor checks included). Instead
+    Dynamo breaks the graph here and the operator runs eagerly.
+    """
+    import torch._dynamo
+
+    disable: Callable[..., Callable[..., Any]] = torch._dynamo.disable
+    return disable(fn, recursive=True, reason="hop operators run eagerly under torch.compile")(*args)
+
+
+def unwrap_batched(values: Sequence[Any], level: int) -> tuple[list[Any], list[int | None]]:
+    """Each tensor of ``values`` without its batch dimension at ``level``, and that dimension."""
+    unwrapped: list[Any] = []
+    dims: list[int | None] = []
+    for v in values:
+        if isinstance(v, _Tensor):
+            u, d = _unwrap_batched(v, level)
+            unwrapped.append(u)
+            dims.append(d)
+        else:
+            unwrapped.append(v)
+            dims.append(None)
+    return unwrapped, dims
+
+
+def add_batch_dims(values: Sequence[Any], level: int) -> list[Any]:
+    """Re-wrap tensors whose leading dimension is the batch at ``level``."""
+    return [_add_batch_dim(v, 0, level) if isinstance(v, _Tensor) else v for v in values]

@@ -1,0 +1,568 @@
+"""What cond and switch share: the user-level call and every rule.
+
+cond is a two-branch switch: ``cond(pred, t, f)`` takes branch 0 when ``pred``
+holds. Each rule below is written once against a :class:`Branching` (how a
+selector picks a branch, how the raw op is called) and registered on both raw
+ops by ``cond.py`` and ``switch.py``.
+
+Note [eager branches run inline]
+When the selector is concrete (a Python value, or a real tensor under every
+functorch wrapper, while nothing traces), the rules run the chosen branch as
+plain Python at the current level: autograd, grad, jvp and vmap (with an
+unbatched selector) then see the branch's own ops, which gives exact derivatives
+of every order and covers tensors the branch closes over. Only a selector that
+cannot be read (SymBool/SymInt, fake, functional, batched) keeps the operator as
+one node, with the rule that builds its derivative or batched version as new
+branches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+
+from hop import _subgraph, _transforms, config
+from hop._operator import HigherOrderOperator
+from hop._unbacked import merge_leaves
+from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, format_message
+
+Fn = Callable[..., Any]
+
+# Errors that mean "this branch cannot run on fake tensors", not "this branch is wrong".
+_CANNOT_FAKE = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+    GuardOnDataDependentSymNode,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Branching:
+    """How one branching operator (cond or switch) reads its selector and calls its raw op."""
+
+    name: str
+    op: HigherOrderOperator
+    call: Callable[[Any, Sequence[Fn], Sequence[Any]], Any]  # raw op call from (selector, branches, operands)
+    index: Callable[[Any, int], int]  # concrete selector -> branch index (checked)
+    masks: Callable[[Any, int], list[Any]]  # tensor selector -> one bool mask per branch
+    roles: Callable[[int], tuple[str, ...]]
+
+
+# --- flat outputs ------------------------------------------------------------------------
+
+
+def as_tuple(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def like(out: Any, flat: Sequence[Any]) -> Any:
+    """``flat`` in the raw op's output convention: a bare value for one leaf, else a tuple."""
+    return tuple(flat) if isinstance(out, tuple) else flat[0]
+
+
+def no_alias(out: Any, operands: Sequence[Any]) -> Any:
+    """``out`` with every leaf that is or views an operand cloned."""
+    flat = as_tuple(out)
+    suspect = (
+        any(isinstance(o, torch.Tensor) and (o._is_view() or any(o is x for x in operands)) for o in flat)
+        or len(flat) > 1
+    )
+    if not suspect:
+        return out
+    return like(out, _subgraph.clone_aliases(flat, operands))
+
+
+class _Outputs:
+    """What the branches of one call returned so far, to check them against each other."""
+
+    def __init__(self, b: Branching, branches: Sequence[Fn]) -> None:
+        self.b = b
+        self.fns = branches
+        self.roles = b.roles(len(branches))
+        self.first: tuple[int, Any] | None = None
+        self.spec: _subgraph.TreeSpec | None = None
+
+    def record(self, k: int, out: Any, spec: _subgraph.TreeSpec) -> None:
+        metas = _subgraph.unflatten([_subgraph.leaf_meta(x) for x in _subgraph.flatten(out)[0]], spec)
+        if self.first is None:
+            self.first, self.spec = (k, metas), spec
+            return
+        j, ref = self.first
+        _subgraph.check_same_outputs(
+            self.b.name, (self.roles[j], self.roles[k]), (ref, metas), fns=(self.fns[j], self.fns[k])
+        )
+
+
+def flat_branches(b: Branching, branches: Sequence[Fn], in_spec: Any) -> tuple[list[Fn], _Outputs]:
+    """Branches taking and returning flat leaves; they record and check their outputs."""
+    outputs = _Outputs(b, branches)
+
+    def make(k: int, fn: Fn) -> Fn:
+        def flat(*leaves: Any) -> Any:
+            out = fn(*_subgraph.unflatten(leaves, in_spec))
+            out_leaves, spec = _subgraph.flatten(out)
+            outputs.record(k, out, spec)
+            return out_leaves[0] if len(out_leaves) == 1 else tuple(out_leaves)
+
+        flat.__qualname__ = getattr(fn, "__qualname__", type(fn).__qualname__)
+        flat.__wrapped__ = fn  # type: ignore[attr-defined]
+        return flat
+
+    return [make(k, fn) for k, fn in enumerate(branches)], outputs
+
+
+# --- the user-level call --------------------------------------------------------------------
+
+
+def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
+    """``branches[index(sel)](*operands)`` through the raw op, after checking the arguments."""
+    roles = b.roles(len(branches))
+    for role, fn in zip(roles, branches, strict=True):
+        if not callable(fn):
+            raise HopTypeError(
+                format_message(b.name, f"{role} must be callable, got {type(fn).__name__}"), op=b.name, role=role
+            )
+    if not isinstance(operands, (tuple, list)):
+        raise HopTypeError(
+            format_message(
+                b.name,
+                f"operands must be a tuple or list, got {type(operands).__name__}",
+                fix="Pass operands=(x,) for a single operand.",
+            ),
+            op=b.name,
+            role="operands",
+        )
+    leaves, in_spec = _subgraph.flatten(tuple(operands))
+    _check_leaves(b.name, operands, leaves)
+    if _transforms.is_concrete(sel) and _transforms.in_plain_eager() and all(map(_plain_leaf, leaves)):
+        k = b.index(sel, len(branches))
+        _validate(b, branches, operands, leaves, in_spec, k)
+        return _no_alias_tree(branches[k](*operands), leaves)
+    flat, outputs = flat_branches(b, branches, in_spec)
+    out = b.call(sel, flat, leaves)
+    return _subgraph.unflatten(list(as_tuple(out)), outputs.spec)
+
+
+MISS = object()
+_Tensor = torch.Tensor
+
+
+def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
+    """``branches[k](*operands)`` for a plain eager call (the caller checked: no mode,
+    no transform, a real one-element selector giving ``k``) with flat tensor
+    operands whose signature is already validated; :data:`MISS` otherwise.
+
+    Note [eager branches run inline]; this is the general path minus the pytree
+    work and the checks a validated signature has already passed. Every
+    microsecond here is paid by every call, so it is written out long-hand.
+    """
+    validate = config.validate
+    if validate is not _ONCE:
+        if validate != "never":
+            return MISS
+        return _run_unchecked(k, branches, operands)
+    key = _flat_signature(name, branches, operands)
+    if key is None or key not in _VERDICTS:
+        return MISS
+    out = branches[k](*operands)
+    if type(out) is _Tensor and not out._is_view():
+        for x in operands:
+            if out is x:
+                return out.clone()
+        return out
+    return _no_alias_tree(out, operands)
+
+
+def _flat_signature(name: str, branches: Sequence[Fn], operands: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The validation key of a call with flat plain-tensor operands (None otherwise)."""
+    key: list[Any] = [name]
+    for fn in branches:
+        try:
+            cells, code = fn.__closure__, fn.__code__
+        except AttributeError:  # a builtin, a module, a partial: keyed by identity
+            key.append(id(fn))
+            continue
+        key.append(code if cells is None else (code, *[_value_key(c.cell_contents) for c in cells]))
+    for x in operands:
+        if type(x) is not _Tensor:
+            return None
+        key += (x.dtype, x.dim(), x.get_device())
+    return tuple(key)
+
+
+def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
+    for x in operands:
+        if type(x) is not _Tensor:
+            return MISS
+    out = branches[k](*operands)
+    if type(out) is _Tensor and not out._is_view():
+        for x in operands:
+            if out is x:
+                return out.clone()
+        return out
+    return _no_alias_tree(out, operands)
+
+
+_ONCE = "once"
+
+
+def _plain_leaf(x: Any) -> bool:
+    return _transforms.is_plain_tensor(x) or type(x) is int
+
+
+def _check_leaves(name: str, operands: Any, leaves: Sequence[Any]) -> None:
+    for path, leaf in zip(_subgraph.leaf_paths(tuple(operands), "operands"), leaves, strict=True):
+        if not isinstance(leaf, (torch.Tensor, int, torch.SymInt)) or isinstance(leaf, bool):
+            raise HopTypeError(
+                format_message(
+                    name,
+                    f"{path} must be a tensor or an int, got {type(leaf).__name__}",
+                    fix="Close over other values in the branches instead of passing them as operands.",
+                ),
+                op=name,
+                role="operands",
+                path=path,
+            )
+
+
+def _no_alias_tree(out: Any, operands: Sequence[Any]) -> Any:
+    leaves, spec = _subgraph.flatten(out)
+    cloned = (
+        _subgraph.clone_aliases(leaves, operands)
+        if any(isinstance(o, torch.Tensor) and (o._is_view() or any(o is x for x in operands)) for o in leaves)
+        else leaves
+    )
+    return out if cloned is leaves else _subgraph.unflatten(cloned, spec)
+
+
+# --- validation once per signature ------------------------------------------------------------
+
+_VERDICTS: dict[Any, None] = {}
+
+
+def _value_key(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.dim(), v.get_device())
+    if v is None or type(v) in (int, float, bool, str):
+        return (type(v), v)
+    return id(v)
+
+
+def _signature(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any) -> Any:
+    """What a validation verdict depends on: the branches' code and what they close
+    over, the operands' structure and metadata (dtype, rank, device)."""
+    if type(operands) is tuple:
+        key = _flat_signature(b.name, branches, operands)
+        if key is not None:
+            return key
+    fns = _flat_signature(b.name, branches, ())
+    assert fns is not None  # no operands: never None
+    return (*fns, spec, *map(_value_key, leaves))
+
+
+def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any, taken: int) -> None:
+    """Run every branch once on fake tensors to check they agree (see ``hop.config.validate``)."""
+    if config.validate == "never":
+        return
+    key = _signature(b, branches, operands, leaves, spec)
+    if config.validate == "once" and key in _VERDICTS:
+        return
+    flat, _ = flat_branches(b, branches, spec)
+    roles = b.roles(len(branches))
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in leaves]
+    with mode, _quiet_fake_tensor_log():
+        for k in [taken] + [i for i in range(len(flat)) if i != taken]:
+            try:
+                flat[k](*fake)
+            except _CANNOT_FAKE:
+                continue  # data-dependent: cannot be checked ahead of time
+            except HopTypeError:
+                raise
+            except Exception as e:
+                if k == taken:
+                    return  # the real call will raise the real error
+                raise HopRuntimeError(
+                    format_message(
+                        b.name,
+                        f"{roles[k]} ({_subgraph.describe_fn(branches[k])}) fails on the operands "
+                        f"(checked with fake tensors, as torch.export would run it): {type(e).__name__}: {e}",
+                    ),
+                    op=b.name,
+                    role=roles[k],
+                ) from e
+    if len(_VERDICTS) >= config.validation_cache_size:
+        _VERDICTS.clear()
+    _VERDICTS[key] = None
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """torch logs a traceback when a meta kernel fails; here that is the verdict, not news."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+# --- rules -----------------------------------------------------------------------------------
+
+
+def dense(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Run the chosen branch; a meta selector runs all and needs them to agree."""
+    if isinstance(sel, torch.Tensor) and sel.is_meta:
+        return _run_all_and_merge(b, branches, operands, None)
+    return no_alias(branches[b.index(sel, len(branches))](*operands), operands)
+
+
+def _run_all_and_merge(b: Branching, branches: Sequence[Fn], operands: Sequence[Any], shape_env: Any) -> Any:
+    """Run every branch; one output whose differing sizes are unified (see hop._unbacked)."""
+    ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else nullcontext()
+    with ignore:  # symbols made inside the branches are bound in their subgraphs
+        raw = [fn(*operands) for fn in branches]
+    outs = [as_tuple(r) for r in raw]
+    roles = b.roles(len(branches))
+    _subgraph.check_same_outputs(b.name, roles, outs, fns=branches)
+    merged = [
+        merge_leaves(b.name, roles, col, f"output[{i}]", shape_env) for i, col in enumerate(zip(*outs, strict=True))
+    ]
+    return like(raw[0], _subgraph.clone_aliases(merged, operands))
+
+
+def inline(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Note [eager branches run inline]: run the chosen branch at the current level."""
+    return no_alias(branches[b.index(sel, len(branches))](*operands), operands)
+
+
+def autograd(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Concrete selector: inline. Otherwise one node whose backward / jvp are the op again."""
+    if _transforms.is_concrete(sel):
+        return inline(b, sel, branches, operands)
+    return _as_node(b, sel, branches, operands)
+
+
+def _differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
+    """``(*operands, *cotangents) -> grads of the differentiable operands``."""
+    diff = [i for i, x in enumerate(operands) if _differentiable(x)]
+
+    def vjp_branch(*args: Any) -> Any:
+        primals, cts = list(args[:n]), args[n:]
+
+        def on_diff(*d: Any) -> Any:
+            full = list(primals)
+            for i, v in zip(diff, d, strict=True):
+                full[i] = v
+            return as_tuple(fn(*full))
+
+        out, vjp_fn = torch.func.vjp(on_diff, *[primals[i] for i in diff])[:2]
+        grads = vjp_fn(tuple(ct if ct is not None else torch.zeros_like(o) for o, ct in zip(out, cts, strict=True)))
+        return grads[0] if len(grads) == 1 else tuple(grads)
+
+    vjp_branch.__qualname__ = f"vjp_{getattr(fn, '__qualname__', 'branch')}"
+    return vjp_branch
+
+
+def _jvp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
+    """``(*operands, *tangents of the differentiable operands) -> (*outputs, *output tangents)``."""
+    diff = [i for i, x in enumerate(operands) if _differentiable(x)]
+
+    def jvp_branch(*args: Any) -> Any:
+        primals, tangents = list(args[:n]), args[n:]
+
+        def on_diff(*d: Any) -> Any:
+            full = list(primals)
+            for i, v in zip(diff, d, strict=True):
+                full[i] = v
+            return as_tuple(fn(*full))
+
+        out, tout = torch.func.jvp(on_diff, tuple(primals[i] for i in diff), tuple(tangents))[:2]
+        return (*out, *tout)
+
+    jvp_branch.__qualname__ = f"jvp_{getattr(fn, '__qualname__', 'branch')}"
+    return jvp_branch
+
+
+class _BranchFunction(torch.autograd.Function):
+    """cond/switch as one autograd node: backward and jvp are cond/switch of the branches' vjp/jvp."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(b: Branching, sel: Any, branches: tuple[Fn, ...], *operands: Any) -> Any:
+        return b.call(sel, branches, operands)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        b, sel, branches, *operands = inputs
+        ctx.b, ctx.branches, ctx.n = b, branches, len(operands)
+        ctx.single = not isinstance(output, tuple)
+        tensors = [x for x in (sel, *operands) if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        ctx.save_for_forward(*tensors)
+        ctx.layout = [isinstance(x, torch.Tensor) for x in (sel, *operands)]
+        ctx.others = [x for x in (sel, *operands) if not isinstance(x, torch.Tensor)]
+
+    @staticmethod
+    def _inputs(ctx: Any) -> tuple[Any, list[Any]]:
+        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+        values = [next(tensors) if is_t else next(others) for is_t in ctx.layout]
+        return values[0], values[1:]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        sel, operands = _BranchFunction._inputs(ctx)
+        bw = [_vjp_branch(fn, operands, ctx.n) for fn in ctx.branches]
+        out = as_tuple(ctx.b.call(sel, bw, (*operands, *grads)))
+        it = iter(out)
+        return (None, None, None, *[next(it) if _differentiable(x) else None for x in operands])
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        sel, operands = _BranchFunction._inputs(ctx)
+        diff_t = [
+            torch.zeros_like(x) if t is None else t
+            for x, t in zip(operands, tangents[3:], strict=True)
+            if _differentiable(x)
+        ]
+        fw = [_jvp_branch(fn, operands, ctx.n) for fn in ctx.branches]
+        out = as_tuple(ctx.b.call(sel, fw, (*operands, *diff_t)))
+        touts = out[len(out) // 2 :]
+        return touts[0] if ctx.single else tuple(touts)
+
+
+def _as_node(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    return _BranchFunction.apply(b, sel, tuple(branches), *operands)  # type: ignore[no-untyped-call]
+
+
+def grad_or_jvp(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """torch.func.grad / jvp: inline for a concrete selector, else the autograd node."""
+    if _transforms.is_concrete(sel):
+        return inline(b, sel, branches, operands)
+    return _as_node(b, sel, branches, operands)
+
+
+def vmap(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Batched selector: every branch runs on the batch, outputs selected by torch.where.
+    Unbatched: inline when concrete, else the op one level down on vmapped branches."""
+    level = interpreter.level()
+    (sel_u,), (sel_dim,) = _transforms.unwrap_batched([sel], level)
+    if sel_dim is not None:
+        return _select_batched(b, sel, branches, operands)
+    if _transforms.is_concrete(sel):
+        return inline(b, sel, branches, operands)
+    unwrapped, dims = _transforms.unwrap_batched(operands, level)
+    if all(d is None for d in dims):
+        with interpreter.lower():
+            return b.call(sel_u, branches, unwrapped)
+    batched = [torch.vmap(fn, in_dims=tuple(dims), randomness=interpreter.randomness()) for fn in branches]
+    with interpreter.lower():
+        out = b.call(sel_u, batched, unwrapped)
+    return like(out, _transforms.add_batch_dims(as_tuple(out), level))
+
+
+def _select_batched(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    n = len(branches)
+    raw = [fn(*operands) for fn in branches]
+    outs = [as_tuple(r) for r in raw]
+    masks = [m.reshape(()) for m in b.masks(sel, n)]
+    roles = b.roles(n)
+    selected = []
+    for i, col in enumerate(zip(*outs, strict=True)):
+        if not isinstance(col[0], torch.Tensor):
+            if any(v != col[0] for v in col):
+                raise _batched_mismatch(b, roles, i, col)
+            selected.append(col[0])
+            continue
+        if any(c.shape != col[0].shape for c in col):
+            raise _batched_mismatch(b, roles, i, col)
+        acc = col[-1]
+        for k in range(n - 2, -1, -1):
+            acc = torch.where(masks[k], col[k], acc)
+        selected.append(acc)
+    return like(raw[0], selected)
+
+
+def _batched_mismatch(b: Branching, roles: Sequence[str], i: int, col: Sequence[Any]) -> HopValueError:
+    shapes = " vs ".join(str(tuple(c.shape)) if isinstance(c, torch.Tensor) else repr(c) for c in col)
+    return HopValueError(
+        format_message(
+            b.name,
+            f"under vmap with a batched selector every branch runs on the batch and the outputs are selected "
+            f"element-wise, so {', '.join(roles)} must return equal sizes at output[{i}]: {shapes}",
+            fix="Make the branches return the same sizes, or keep the selector unbatched.",
+        ),
+        op=b.name,
+        path=f"output[{i}]",
+    )
+
+
+def functionalize(b: Branching, ctx: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Functionalize each branch and call the op on the unwrapped operands."""
+    sel_u = ctx.unwrap_tensors(sel) if isinstance(sel, torch.Tensor) else sel
+    unwrapped = ctx.unwrap_tensors(list(operands))
+    with ctx.redispatch_to_next():
+        out = b.call(sel_u, [ctx.functionalize(fn) for fn in branches], unwrapped)
+    return ctx.wrap_tensors(out)
+
+
+def fake(b: Branching, mode: FakeTensorMode, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Output metadata: run every branch on fake tensors and unify what differs."""
+    with mode:
+        if type(sel) in (bool, int):
+            return dense(b, sel, branches, operands)
+        return _run_all_and_merge(b, branches, operands, mode.shape_env)
+
+
+def proxy(b: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Trace every branch (lifting what it closes over) and record one node."""
+    graphs, lifted = _subgraph.trace_branches(branches, operands)
+    roles = b.roles(len(branches))
+    for role, fn, gm in zip(roles, branches, graphs, strict=True):
+        _check_effects(b, role, fn, gm)
+    all_operands = (*operands, *lifted)
+    out = b.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
+    return _subgraph.emit(mode, b.op, _node_args(b, sel, graphs, all_operands), out)
+
+
+def _node_args(b: Branching, sel: Any, graphs: Sequence[Any], operands: tuple[Any, ...]) -> tuple[Any, ...]:
+    if b.name == "cond":
+        return (sel, graphs[0], graphs[1], operands)
+    return (sel, operands, *graphs)
+
+
+def _check_effects(b: Branching, role: str, fn: Fn, gm: torch.fx.GraphModule) -> None:
+    effects = _subgraph.find_mutations_and_aliases(gm)
+    if effects.mutated:
+        raise MutationError(
+            format_message(
+                b.name,
+                f"{role} ({_subgraph.describe_fn(fn)}) writes operand {effects.mutated[0]} in place; in-place "
+                "updates of operands run in eager but cannot be traced (make_fx, torch.export)",
+                fix="Return the updated value from the branch instead of writing the operand.",
+            ),
+            op=b.name,
+            role=role,
+        )
+    if effects.aliased:
+        _subgraph.clone_aliased_outputs(gm, effects)

@@ -1,0 +1,184 @@
+"""``hop.cond`` and its raw op ``torch.ops.hop.cond``.
+
+Rules are cond's registrations of the shared branching rules (cond is a
+two-branch switch, see ``_branching``), in hop's fixed order: dense, autograd,
+grad / jvp, vmap, functionalize, fake, proxy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._C import DispatchKey
+from torch._C._functorch import TransformType
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+
+from hop._operator import HigherOrderOperator
+from hop._transforms import functorch_level, is_dynamo_compiling, mode_stack_len, outside_dynamo, tf_mode_enabled
+from hop.errors import HopTypeError, HopValueError, format_message
+from hop.ops import _branching as br
+
+__all__ = ["cond", "cond_op"]
+
+_Tensor = torch.Tensor
+_BOOL = torch.bool
+
+
+def cond(
+    pred: bool | torch.SymBool | torch.Tensor,
+    true_fn: Callable[..., Any],
+    false_fn: Callable[..., Any],
+    operands: tuple[Any, ...] | list[Any] = (),
+) -> Any:
+    """``true_fn(*operands)`` if ``pred`` else ``false_fn(*operands)``.
+
+    Equivalent Python::
+
+        def reference_cond(pred, true_fn, false_fn, operands=()):
+            return true_fn(*operands) if pred else false_fn(*operands)
+
+    Args:
+        pred: a Python bool (the branch just runs, like torch.cond), a SymBool, or
+            a one-element bool tensor.
+        true_fn, false_fn: callables taking ``*operands`` and returning pytrees of
+            the same structure, with matching dtype, device and rank per leaf
+            (sizes may differ: traced, they become unbacked sizes).
+        operands: a tuple or list of pytrees of tensors (ints allowed).
+
+    In eager only the chosen branch runs; both are checked once per signature on
+    fake tensors (``hop.config.validate``). Outputs never alias the operands.
+    Autograd, ``torch.func`` (grad, jvp, vjp, jacrev, jacfwd, hessian) and vmap
+    (also with a batched ``pred``: both branches run and ``torch.where``
+    selects) work; make_fx and torch.export keep one ``torch.ops.hop.cond`` node.
+    """
+    if is_dynamo_compiling():
+        return outside_dynamo(cond, pred, true_fn, false_fn, operands)
+    if type(pred) is bool:
+        for role, fn in (("true_fn", true_fn), ("false_fn", false_fn)):
+            if not callable(fn):
+                raise HopTypeError(format_message("cond", f"{role} must be callable, got {type(fn).__name__}"))
+        return true_fn(*operands) if pred else false_fn(*operands)
+    if (
+        type(pred) is _Tensor
+        and type(operands) is tuple
+        and pred.dtype is _BOOL
+        and not mode_stack_len()
+        and functorch_level() is None
+        and not tf_mode_enabled()  # also active whenever torch.export's pre-dispatch tracer is
+    ):  # plain eager: see _branching.eager_fast
+        try:
+            k = 0 if pred else 1  # meta or several elements raise: the general path explains
+        except (RuntimeError, NotImplementedError):
+            k = -1
+        if k >= 0:
+            out = br.eager_fast("cond", k, (true_fn, false_fn), operands)
+            if out is not br.MISS:
+                return out
+    _check_pred(pred)
+    return br.call(COND, pred, (true_fn, false_fn), operands)
+
+
+def _check_pred(pred: Any) -> None:
+    if isinstance(pred, (bool, torch.SymBool)):
+        return
+    if not isinstance(pred, torch.Tensor):
+        raise HopTypeError(
+            format_message(
+                "cond",
+                f"pred must be a bool, a SymBool or a one-element bool tensor, got {type(pred).__name__}",
+            ),
+            op="cond",
+            role="pred",
+        )
+    if pred.dtype != torch.bool:
+        raise HopTypeError(
+            format_message(
+                "cond",
+                f"pred must be a bool tensor, got dtype {str(pred.dtype).removeprefix('torch.')}",
+                fix="Compare it to something, e.g. pred=x.sum() > 0.",
+            ),
+            op="cond",
+            role="pred",
+        )
+    if pred.numel() != 1:
+        raise HopValueError(
+            format_message(
+                "cond",
+                f"pred must have exactly one element, got shape {tuple(pred.shape)}",
+                fix="Reduce it first, e.g. pred=mask.any().",
+            ),
+            op="cond",
+            role="pred",
+        )
+
+
+cond_op = HigherOrderOperator("cond")
+
+
+def _index(pred: Any, n: int) -> int:
+    if type(pred) is not _Tensor or pred.dtype is not _BOOL or pred.numel() != 1:
+        _check_pred(pred)
+    return 0 if pred else 1
+
+
+def _masks(pred: Any, n: int) -> list[Any]:
+    return [pred, ~pred]
+
+
+def _call(pred: Any, branches: Sequence[Callable[..., Any]], operands: Sequence[Any]) -> Any:
+    return cond_op(pred, branches[0], branches[1], tuple(operands))
+
+
+COND = br.Branching(
+    name="cond",
+    op=cond_op,
+    call=_call,
+    index=_index,
+    masks=_masks,
+    roles=lambda n: ("true_fn", "false_fn"),
+)
+
+Fn = Callable[..., Any]
+
+
+@cond_op.py_impl(DispatchKey.CompositeExplicitAutograd)
+def cond_dense(pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
+    return br.dense(COND, pred, (true_fn, false_fn), operands)
+
+
+@cond_op.py_autograd_impl
+def cond_autograd(pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
+    return br.autograd(COND, pred, (true_fn, false_fn), operands)
+
+
+@cond_op.py_impl(TransformType.Grad)
+def cond_grad(interpreter: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
+    return br.grad_or_jvp(COND, interpreter, pred, (true_fn, false_fn), operands)
+
+
+@cond_op.py_impl(TransformType.Jvp)
+def cond_jvp(interpreter: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
+    return br.grad_or_jvp(COND, interpreter, pred, (true_fn, false_fn), operands)
+
+
+@cond_op.py_impl(TransformType.Vmap)
+def cond_vmap(interpreter: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
+    return br.vmap(COND, interpreter, pred, (true_fn, false_fn), operands)
+
+
+@cond_op.py_functionalize_impl
+def cond_functionalize(ctx: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
+    return br.functionalize(COND, ctx, pred, (true_fn, false_fn), operands)
+
+
+@cond_op.py_impl(FakeTensorMode)
+def cond_fake(mode: FakeTensorMode, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
+    return br.fake(COND, mode, pred, (true_fn, false_fn), operands)
+
+
+@cond_op.py_impl(ProxyTorchDispatchMode)
+def cond_proxy(mode: ProxyTorchDispatchMode, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
+    return br.proxy(COND, mode, pred, (true_fn, false_fn), operands)

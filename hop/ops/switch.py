@@ -1,0 +1,220 @@
+"""``hop.switch`` and its raw op ``torch.ops.hop.switch``: an n-way cond.
+
+Rules are switch's registrations of the shared branching rules (``_branching``),
+in hop's fixed order: dense, autograd, grad / jvp, vmap, functionalize, fake,
+proxy. An index out of range is never clamped: eager raises, traced programs
+carry a runtime assert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._C import DispatchKey
+from torch._C._functorch import TransformType
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+
+from hop._operator import HigherOrderOperator
+from hop._transforms import functorch_level, is_dynamo_compiling, mode_stack_len, outside_dynamo, tf_mode_enabled
+from hop.errors import HopTypeError, HopValueError, format_message
+from hop.ops import _branching as br
+
+__all__ = ["switch", "switch_op"]
+
+_Tensor = torch.Tensor
+
+Fn = Callable[..., Any]
+_check: Callable[..., None] = torch._check  # untyped in torch
+
+
+def switch(
+    index: int | torch.SymInt | torch.Tensor,
+    branches: Sequence[Fn],
+    operands: tuple[Any, ...] | list[Any] = (),
+) -> Any:
+    """``branches[index](*operands)``.
+
+    Equivalent Python::
+
+        def reference_switch(index, branches, operands=()):
+            if not 0 <= index < len(branches):
+                raise IndexError(index)
+            return branches[index](*operands)
+
+    Args:
+        index: an int, a SymInt, or a one-element integer tensor. Out of range
+            raises ``HopValueError`` in eager and fails a runtime assert in traced
+            and exported programs; it is never clamped.
+        branches: a non-empty sequence of callables taking ``*operands`` and
+            returning pytrees of the same structure, with matching dtype, device
+            and rank per leaf.
+        operands: a tuple or list of pytrees of tensors (ints allowed).
+
+    Transforms as ``hop.cond``; under vmap a batched index runs every branch and
+    selects element-wise.
+    """
+    if is_dynamo_compiling():
+        return outside_dynamo(switch, index, branches, operands)
+    if (
+        type(index) is _Tensor
+        and type(operands) is tuple
+        and type(branches) in (list, tuple)
+        and not index.is_floating_point()
+        and not mode_stack_len()
+        and functorch_level() is None
+        and not tf_mode_enabled()  # also active whenever torch.export's pre-dispatch tracer is
+    ):  # plain eager: see _branching.eager_fast
+        try:
+            k = int(index)  # meta or several elements raise: the general path explains
+        except (RuntimeError, NotImplementedError, ValueError):
+            k = -1
+        if 0 <= k < len(branches) and index.dtype is not torch.bool:
+            out = br.eager_fast("switch", k, branches, operands)
+            if out is not br.MISS:
+                return out
+    if not isinstance(branches, (list, tuple)) or not branches:
+        raise HopValueError(
+            format_message(
+                "switch",
+                f"branches must be a non-empty list or tuple of callables, got {branches!r}",
+            ),
+            op="switch",
+            role="branches",
+        )
+    _check_index(index)
+    return br.call(SWITCH, index, tuple(branches), operands)
+
+
+def _check_index(index: Any) -> None:
+    if isinstance(index, (int, torch.SymInt)) and not isinstance(index, bool):
+        return
+    if not isinstance(index, torch.Tensor):
+        raise HopTypeError(
+            format_message(
+                "switch",
+                f"index must be an int, a SymInt or a one-element integer tensor, got {type(index).__name__}",
+            ),
+            op="switch",
+            role="index",
+        )
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise HopTypeError(
+            format_message(
+                "switch",
+                f"index must be an integer tensor, got dtype {str(index.dtype).removeprefix('torch.')}",
+            ),
+            op="switch",
+            role="index",
+        )
+    if index.numel() != 1:
+        raise HopValueError(
+            format_message("switch", f"index must have exactly one element, got shape {tuple(index.shape)}"),
+            op="switch",
+            role="index",
+        )
+
+
+class SwitchOp(HigherOrderOperator):
+    """``torch.ops.hop.switch(index, operands, *branches)``.
+
+    Branches are separate positional arguments so that each is a get_attr
+    argument of the node (torch.export cannot serialize a list of subgraphs).
+    ``switch_op(index, branches, operands)``, the user-level order, is accepted too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("switch")
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 3 and isinstance(args[1], (list, tuple)) and args[1] and all(map(callable, args[1])):
+            index, branches, operands = args
+            args = (index, operands, *branches)
+        return super().__call__(*args, **kwargs)
+
+
+switch_op = SwitchOp()
+
+
+def _index(index: Any, n: int) -> int:
+    _check_index(index)
+    i = int(index)
+    if not 0 <= i < n:
+        raise HopValueError(
+            format_message(
+                "switch",
+                f"index {i} is out of range for {n} branches",
+                fix=f"Pass an index in [0, {n - 1}]; hop never clamps it.",
+            ),
+            op="switch",
+            role="index",
+        )
+    return i
+
+
+def _masks(index: Any, n: int) -> list[Any]:
+    torch._assert_async((index >= 0) & (index < n), f"hop.switch: index out of range for {n} branches")
+    return [index == k for k in range(n)]
+
+
+def _call(index: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    return switch_op(index, tuple(operands), *branches)
+
+
+SWITCH = br.Branching(
+    name="switch",
+    op=switch_op,
+    call=_call,
+    index=_index,
+    masks=_masks,
+    roles=lambda n: tuple(f"branches[{k}]" for k in range(n)),
+)
+
+
+@switch_op.py_impl(DispatchKey.CompositeExplicitAutograd)
+def switch_dense(index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
+    return br.dense(SWITCH, index, branches, operands)
+
+
+@switch_op.py_autograd_impl
+def switch_autograd(index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
+    return br.autograd(SWITCH, index, branches, operands)
+
+
+@switch_op.py_impl(TransformType.Grad)
+def switch_grad(interpreter: Any, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
+    return br.grad_or_jvp(SWITCH, interpreter, index, branches, operands)
+
+
+@switch_op.py_impl(TransformType.Jvp)
+def switch_jvp(interpreter: Any, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
+    return br.grad_or_jvp(SWITCH, interpreter, index, branches, operands)
+
+
+@switch_op.py_impl(TransformType.Vmap)
+def switch_vmap(interpreter: Any, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
+    return br.vmap(SWITCH, interpreter, index, branches, operands)
+
+
+@switch_op.py_functionalize_impl
+def switch_functionalize(ctx: Any, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
+    return br.functionalize(SWITCH, ctx, index, branches, operands)
+
+
+@switch_op.py_impl(FakeTensorMode)
+def switch_fake(mode: FakeTensorMode, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
+    return br.fake(SWITCH, mode, index, branches, operands)
+
+
+@switch_op.py_impl(ProxyTorchDispatchMode)
+def switch_proxy(mode: ProxyTorchDispatchMode, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
+    n = len(branches)
+    if isinstance(index, torch.SymInt):
+        _check(index >= 0)
+        _check(index < n)
+    elif isinstance(index, torch.Tensor):
+        with mode:  # recorded in the graph: the exported program checks it at run time
+            torch._assert_async((index >= 0) & (index < n), f"hop.switch: index out of range for {n} branches")
+    return br.proxy(SWITCH, mode, index, branches, operands)

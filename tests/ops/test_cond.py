@@ -1,0 +1,511 @@
+"""hop.cond across the transform matrix, one section per column, then errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from harness import (
+    check_autograd,
+    check_eager,
+    check_export,
+    check_jvp,
+    check_make_fx,
+    check_vmap,
+    roundtrip,
+)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hop
+from hop.errors import HopError, HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError
+from hop.ops import _branching
+from hop.ops.cond import cond_op
+
+# --- the program table: (hop program, plain-Python reference, inputs) ----------------------
+
+
+def simple(x: torch.Tensor) -> torch.Tensor:
+    return hop.cond(x.sum() > 0, lambda a: a.sin(), lambda a: a.cos() * 2, (x,))
+
+
+def simple_ref(x: torch.Tensor) -> torch.Tensor:
+    return x.sin() if x.sum() > 0 else x.cos() * 2
+
+
+def pytrees(x: torch.Tensor, y: torch.Tensor) -> Any:
+    def t(a: torch.Tensor, d: dict[str, torch.Tensor]) -> Any:
+        return {"out": a * d["h"], "pair": (a + 1, d["h"].exp())}
+
+    def f(a: torch.Tensor, d: dict[str, torch.Tensor]) -> Any:
+        return {"out": a - d["h"], "pair": (a.tanh(), d["h"] * 3)}
+
+    return hop.cond(x.mean() > y.mean(), t, f, (x, {"h": y}))
+
+
+def pytrees_ref(x: torch.Tensor, y: torch.Tensor) -> Any:
+    if x.mean() > y.mean():
+        return {"out": x * y, "pair": (x + 1, y.exp())}
+    return {"out": x - y, "pair": (x.tanh(), y * 3)}
+
+
+def closure(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return hop.cond(x.sum() > 0, lambda a: a * w, lambda a: a + w.sin(), (x,))
+
+
+def closure_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w if x.sum() > 0 else x + w.sin()
+
+
+def nested(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return hop.cond(b.sum() > 0, lambda c: c * 2, lambda c: c.cos(), (a,))
+
+    return hop.cond(x.sum() > 0, t, lambda a, b: a * b, (x, y))
+
+
+def nested_ref(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if x.sum() > 0:
+        return x * 2 if y.sum() > 0 else x.cos()
+    return x * y
+
+
+def identity_branch(x: torch.Tensor) -> torch.Tensor:
+    return hop.cond(x.sum() > 0, lambda a: a, lambda a: a.flip(0), (x,))
+
+
+def identity_ref(x: torch.Tensor) -> torch.Tensor:
+    return x.clone() if x.sum() > 0 else x.flip(0)
+
+
+POS, NEG = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([-0.5, -1.0, -2.0])
+PROGRAMS = {
+    "simple": (simple, simple_ref, [(POS,), (NEG,)]),
+    "pytrees": (pytrees, pytrees_ref, [(POS, NEG), (NEG, POS)]),
+    "closure": (closure, closure_ref, [(POS, NEG), (NEG, POS)]),
+    "nested": (nested, nested_ref, [(POS, POS * 2), (POS, NEG), (NEG, POS)]),
+    "identity": (identity_branch, identity_ref, [(POS,), (NEG,)]),
+}
+
+
+@pytest.fixture(params=sorted(PROGRAMS))
+def program(request: pytest.FixtureRequest) -> tuple[Any, Any, list[tuple[Any, ...]]]:
+    return PROGRAMS[request.param]
+
+
+# --- eager -----------------------------------------------------------------------------------
+
+
+def test_eager(program: Any) -> None:
+    fn, ref, inputs = program
+    check_eager(fn, ref, inputs)
+
+
+def test_python_bool_just_runs_the_branch() -> None:
+    ran: list[str] = []
+    out = hop.cond(True, lambda a: ran.append("t") or a + 1, lambda a: ran.append("f") or a, (torch.zeros(1),))
+    assert ran == ["t"] and out.item() == 1.0
+
+
+def test_eager_runs_only_the_chosen_branch_after_validation() -> None:
+    calls: list[str] = []
+
+    def t(a: torch.Tensor) -> torch.Tensor:
+        calls.append("t")
+        return a + 1
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        calls.append("f")
+        return a - 1
+
+    x = torch.ones(2)
+    hop.cond(torch.tensor(True), t, f, (x,))  # first call: both validated on fake tensors, t runs
+    calls.clear()
+    for _ in range(3):
+        hop.cond(torch.tensor(False), t, f, (x,))
+    assert calls == ["f", "f", "f"]
+
+
+def test_outputs_never_alias_operands() -> None:
+    x = torch.randn(3, 3)
+    for pred in (True, False):
+        out = hop.cond(torch.tensor(pred), lambda a: a, lambda a: a.t(), (x,))
+        assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    raw = cond_op(torch.tensor(True), lambda a: a, lambda a: a, (x,))
+    assert raw.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_in_place_update_of_an_operand_runs_in_eager() -> None:
+    x = torch.ones(3)
+
+    def t(a: torch.Tensor) -> torch.Tensor:
+        a.add_(1)
+        return a * 2
+
+    out = hop.cond(torch.tensor(True), t, lambda a: a.clone(), (x,))
+    torch.testing.assert_close(x, torch.full((3,), 2.0))
+    torch.testing.assert_close(out, torch.full((3,), 4.0))
+
+
+def test_meta_device() -> None:
+    x = torch.empty(4, device="meta")
+    out = hop.cond(torch.empty((), dtype=torch.bool, device="meta"), lambda a: a + 1, lambda a: a * 2, (x,))
+    assert out.device.type == "meta" and out.shape == (4,)
+
+
+def test_int_operands() -> None:
+    out = hop.cond(torch.tensor(False), lambda a, n: a * n, lambda a, n: a + n, (torch.ones(2), 3))
+    torch.testing.assert_close(out, torch.full((2,), 4.0))
+
+
+def test_raw_op_in_eager_and_its_dispatch_trace() -> None:
+    x = torch.randn(3)
+    with hop.debug.trace() as rec:
+        out = torch.ops.hop.cond(torch.tensor(False), lambda a: a.sin(), lambda a: a.cos(), (x,))
+    torch.testing.assert_close(out, x.cos())
+    assert [r.route for r in rec] == ["below-autograd", "kernel"] and rec[-1].kernel == "cond_dense"
+
+
+# --- autograd ----------------------------------------------------------------------------------
+
+
+def test_autograd(program: Any) -> None:
+    fn, ref, inputs = program
+    check_autograd(fn, ref, inputs)
+
+
+def test_gradients_reach_parameters_the_branches_close_over() -> None:
+    lin = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    out = hop.cond(x.sum() > -100, lambda a: lin(a).relu(), lambda a: a, (x,))  # x needs no grad
+    out.sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    expected = torch.autograd.grad(lin(x).relu().sum(), lin.weight)[0]
+    torch.testing.assert_close(lin.weight.grad, expected)
+
+
+# --- jvp and the torch.func family ---------------------------------------------------------------
+
+
+def test_jvp(program: Any) -> None:
+    fn, ref, inputs = program
+    check_jvp(fn, ref, inputs)
+
+
+def test_torch_func_family() -> None:
+    x = torch.tensor([0.3, -0.2, 0.9], dtype=torch.float64)
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        return hop.cond(a.sum() > 0, lambda b: (b**3).sum(), lambda b: b.sin().sum(), (a,))
+
+    torch.testing.assert_close(torch.func.grad(fn)(x), 3 * x**2)
+    torch.testing.assert_close(torch.func.jacrev(fn)(x), 3 * x**2)
+    torch.testing.assert_close(torch.func.jacfwd(fn)(x), 3 * x**2)
+    torch.testing.assert_close(torch.func.hessian(fn)(x), torch.diag(6 * x))
+    _, vjp_fn = torch.func.vjp(fn, x)
+    torch.testing.assert_close(vjp_fn(torch.tensor(2.0, dtype=torch.float64))[0], 6 * x**2)
+    batch = torch.randn(4, 3, dtype=torch.float64)
+    want = torch.stack([torch.func.grad(fn)(b) for b in batch])
+    torch.testing.assert_close(torch.vmap(torch.func.grad(fn))(batch), want)
+    torch.testing.assert_close(torch.func.jacrev(torch.vmap(fn))(batch).sum(1), want)
+
+
+# --- vmap ------------------------------------------------------------------------------------------
+
+
+def test_vmap_batched_pred(program: Any) -> None:
+    fn, ref, inputs = program
+    n = len(inputs[0])
+    batched = tuple(
+        torch.stack([POS * 0.5, NEG, POS * 2, NEG * 3]) if i == 0 else inp for i, inp in enumerate(inputs[0])
+    )
+    check_vmap(fn, ref, batched, (0,) + (None,) * (n - 1))
+
+
+def test_vmap_unbatched_pred_runs_one_branch() -> None:
+    calls: list[str] = []
+
+    def t(a: torch.Tensor) -> torch.Tensor:
+        calls.append("t")
+        return a.sin()
+
+    batch = torch.randn(5, 3)
+    out = torch.vmap(lambda a: hop.cond(torch.tensor(True), t, lambda b: b.cos(), (a,)))(batch)
+    torch.testing.assert_close(out, batch.sin())
+    calls.clear()
+    torch.vmap(lambda a: hop.cond(torch.tensor(True), t, lambda b: b.cos(), (a,)))(batch)
+    assert calls == ["t"]
+
+
+def test_vmap_nested_with_batched_preds() -> None:
+    x = torch.randn(3, 4, 5)
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        return hop.cond(a.sum() > 0, lambda b: b * 2, lambda b: -b, (a,))
+
+    out = torch.vmap(torch.vmap(fn))(x)
+    want = torch.stack([torch.stack([fn(r) for r in m]) for m in x])
+    torch.testing.assert_close(out, want)
+
+
+def test_vmap_batched_pred_needs_equal_sizes() -> None:
+    with pytest.raises(HopValueError, match=r"batched selector.*equal sizes at output\[0\]: \(2,\) vs \(3,\)"):
+        torch.vmap(lambda a: hop.cond(a.sum() > 0, lambda b: b[:2], lambda b: b, (a,)))(torch.randn(4, 3))
+
+
+def test_vmap_randomness() -> None:
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        return hop.cond(a.sum() > 0, lambda b: b + torch.rand_like(b), lambda b: b, (a,))
+
+    x = torch.ones(4, 3)
+    out = torch.vmap(fn, randomness="different")(x)
+    assert not torch.equal(out[0], out[1])
+    same = torch.vmap(fn, randomness="same")(x)
+    torch.testing.assert_close(same[0], same[1])
+    with pytest.raises(RuntimeError, match="randomness"):
+        torch.vmap(fn)(x)
+
+
+# --- functionalization --------------------------------------------------------------------------------
+
+
+def test_functionalize() -> None:
+    x = torch.randn(3)
+    f = torch.func.functionalize(simple)
+    torch.testing.assert_close(f(x), simple_ref(x))
+    gm = make_fx(f, tracing_mode="fake")(x)
+    assert any(n.target is cond_op for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(POS), simple_ref(POS))
+    torch.testing.assert_close(gm(NEG), simple_ref(NEG))
+
+
+# --- fake / make_fx ---------------------------------------------------------------------------------
+
+
+def test_fake_tensor_mode() -> None:
+    with FakeTensorMode():
+        x = torch.randn(4)
+        out = simple(x)
+    assert isinstance(out, FakeTensor) and out.shape == (4,)
+
+
+def test_fake_sizes_that_differ_need_a_shape_env() -> None:
+    with (
+        pytest.raises(OutputMismatchError, match=r"different sizes at output\[0\] \(\(2,\) vs \(4,\)\)"),
+        FakeTensorMode(),
+    ):
+        hop.cond(torch.randn(4).sum() > 0, lambda a: a[:2], lambda a: a, (torch.randn(4),))
+
+
+def test_make_fx(program: Any) -> None:
+    fn, _, inputs = program
+    check_make_fx(fn, cond_op, inputs[0], inputs)
+
+
+# --- export -------------------------------------------------------------------------------------------
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("scale", torch.tensor(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hop.cond(x.sum() > 0, lambda a: self.lin(a).relu(), lambda a: a * self.scale - self.lin.bias, (x,))
+
+
+def test_export_with_parameters_and_buffers() -> None:
+    m = Model()
+    x = torch.randn(4, 3)
+    ep = check_export(m, cond_op, (x,), [(x.abs(),), (-x.abs(),)])
+    names = [n.name for n in ep.graph.nodes if n.op == "placeholder"]
+    assert names[:3] == ["p_lin_weight", "p_lin_bias", "b_scale"]
+    node = next(n for n in ep.graph.nodes if n.target is cond_op)
+    assert [a.name for a in node.args[3]] == ["x", "p_lin_weight", "p_lin_bias", "b_scale"]
+
+
+def test_export_dynamic_shapes() -> None:
+    m = Model()
+    dims = {"x": {0: torch.export.Dim("batch")}}
+    check_export(m, cond_op, (torch.randn(4, 3),), [(torch.randn(7, 3).abs(),), (-torch.randn(2, 3).abs(),)], dims)
+
+
+class Programs(torch.nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def test_export_program_table(program: Any) -> None:
+    fn, _, inputs = program
+    check_export(Programs(fn), cond_op, inputs[0], inputs)
+
+
+def test_export_symbolic_predicate() -> None:
+    m = Programs(lambda x: hop.cond(x.shape[0] > 4, lambda a: a + 1, lambda a: a - 1, (x,)))
+    ep = torch.export.export(m, (torch.zeros(6),), dynamic_shapes={"args": ({0: torch.export.Dim("n")},)})
+    assert any(n.target is cond_op for n in ep.graph.nodes)
+    loaded = roundtrip(ep)
+    assert loaded.module()(torch.zeros(3))[0].item() == -1.0
+    assert loaded.module()(torch.zeros(8))[0].item() == 1.0
+
+
+def test_export_closure_over_a_size() -> None:
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        n = y.shape[0]
+        return hop.cond(x.sum() > 0, lambda a: a.new_ones(n) * a.sum(), lambda a: a.new_zeros(n), (x,))
+
+    dims = {"args": ({0: torch.export.Dim("a")}, {0: torch.export.Dim("b")})}
+    ep = torch.export.export(Programs(fn), (torch.ones(3), torch.ones(5)), dynamic_shapes=dims)
+    out = roundtrip(ep).module()(torch.ones(4), torch.ones(7))
+    torch.testing.assert_close(out, torch.full((7,), 4.0))
+
+
+def test_export_branches_with_different_sizes_get_an_unbacked_size() -> None:
+    m = Programs(lambda x: hop.cond(x.sum() > 0, lambda a: a[:2] * 2, lambda a: a + 1, (x,)))
+    ep = torch.export.export(m, (torch.randn(5),))
+    node = next(n for n in ep.graph.nodes if n.target is cond_op)
+    assert node.meta.get("unbacked_bindings")
+    asserts = [n for n in ep.graph.nodes if n.target is torch.ops.aten._assert_scalar.default]
+    assert len(asserts) == 2  # the union range [2, 5]
+    for program in (ep, roundtrip(ep)):
+        assert program.module()(torch.ones(5)).shape == (2,)
+        assert program.module()(-torch.ones(5)).shape == (5,)
+
+
+def test_export_data_dependent_branches() -> None:
+    m = Programs(lambda x: hop.cond(x.sum() > 0, lambda a: a.nonzero(), lambda a: (a > 0).nonzero(), (x,)))
+    ep = torch.export.export(m, (torch.randn(5),))
+    v = torch.tensor([1.0, 0.0, 2.0, -1.0, 3.0])
+    assert roundtrip(ep).module()(v).shape == (4, 1)
+    assert roundtrip(ep).module()(-v).shape == (1, 1)
+
+
+def test_export_refuses_in_place_updates_of_operands() -> None:
+    def t(a: torch.Tensor) -> torch.Tensor:
+        a.add_(1)
+        return a * 2
+
+    m = Programs(lambda x: hop.cond(x.sum() > 0, t, lambda a: a.clone(), (x,)))
+    with pytest.raises(
+        MutationError, match=r"hop.cond: true_fn \(.*t \(test_cond.py:\d+\)\) writes operand 0 in place"
+    ):
+        torch.export.export(m, (torch.randn(3),))
+
+
+def test_export_identity_branch_does_not_alias() -> None:
+    m = Programs(lambda x: hop.cond(x.sum() > 0, lambda a: a, lambda a: a.t(), (x,)))
+    ep = torch.export.export(m, (torch.randn(3, 3),))
+    x = torch.randn(3, 3)
+    for program in (ep, ep.run_decompositions(), roundtrip(ep)):
+        out = program.module()(x)
+        assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_torch_compile_default() -> None:
+    m = Model()
+    x = torch.randn(4, 3)
+    torch._dynamo.reset()
+    compiled = torch.compile(m)
+    for v in (x.abs(), -x.abs()):
+        torch.testing.assert_close(compiled(v), m(v))
+
+
+# --- errors --------------------------------------------------------------------------------------------
+
+
+def test_pred_with_several_elements() -> None:
+    with pytest.raises(HopValueError, match=r"^hop.cond: pred must have exactly one element, got shape \(2,\)"):
+        hop.cond(torch.tensor([True, False]), lambda a: a, lambda a: a, (torch.ones(1),))
+
+
+def test_pred_of_the_wrong_dtype() -> None:
+    with pytest.raises(HopTypeError, match=r"^hop.cond: pred must be a bool tensor, got dtype float32"):
+        hop.cond(torch.tensor(1.0), lambda a: a, lambda a: a, (torch.ones(1),))
+    with pytest.raises(HopTypeError, match="pred must be a bool, a SymBool or a one-element bool tensor, got str"):
+        hop.cond("yes", lambda a: a, lambda a: a, (torch.ones(1),))
+
+
+def test_branch_not_callable() -> None:
+    with pytest.raises(HopTypeError, match=r"^hop.cond: false_fn must be callable, got int"):
+        hop.cond(torch.tensor(True), lambda a: a, 3, (torch.ones(1),))  # type: ignore[arg-type]
+
+
+def test_operands_must_be_a_tuple_or_list() -> None:
+    with pytest.raises(HopTypeError, match=r"operands must be a tuple or list, got Tensor"):
+        hop.cond(torch.tensor(True), lambda a: a, lambda a: a, torch.ones(1))  # type: ignore[arg-type]
+
+
+def test_operand_leaf_must_be_a_tensor_or_int() -> None:
+    with pytest.raises(HopTypeError, match=r'^hop.cond: operands\[1\]\["k"\] must be a tensor or an int, got str'):
+        hop.cond(torch.tensor(True), lambda a, d: a, lambda a, d: a, (torch.ones(1), {"k": "v"}))
+
+
+def _mismatch(t: Any, f: Any, operands: tuple[Any, ...] = (torch.ones(2),)) -> str:
+    with pytest.raises(OutputMismatchError) as info:
+        hop.cond(torch.tensor(True), t, f, operands)
+    assert isinstance(info.value, HopError) and isinstance(info.value, TypeError)
+    return str(info.value)
+
+
+def test_structure_mismatch_names_both_structures() -> None:
+    msg = _mismatch(lambda a: (a, a), lambda a: a)
+    assert msg.startswith("hop.cond: true_fn and false_fn return different structures: (*, *) vs *")
+
+
+def test_dtype_mismatch_in_the_untaken_branch_names_the_path() -> None:
+    msg = _mismatch(lambda a: (a, {"h": a}), lambda a: (a, {"h": a.double()}))
+    assert msg.startswith('hop.cond: true_fn and false_fn disagree at output[1]["h"]: dtype float32 vs float64')
+    assert "test_cond.py" in msg  # names where the branches are
+
+
+def test_rank_and_device_mismatch() -> None:
+    assert "disagree at output: rank 1 vs 2" in _mismatch(lambda a: a, lambda a: a.reshape(1, 2))
+    assert "disagree at output: device cpu vs meta" in _mismatch(lambda a: a, lambda a: a.to("meta"))
+
+
+def test_mismatch_is_reported_the_same_under_export() -> None:
+    m = Programs(lambda x: hop.cond(x.sum() > 0, lambda a: a, lambda a: a.double(), (x,)))
+    with pytest.raises(OutputMismatchError, match=r"true_fn and false_fn disagree at output: dtype float32 vs float64"):
+        torch.export.export(m, (torch.randn(2),))
+
+
+def test_untaken_branch_that_fails_is_reported() -> None:
+    with pytest.raises(HopRuntimeError, match=r"hop.cond: false_fn \(.*\) fails on the operands .*\[2, 2\] X \[3, 3\]"):
+        hop.cond(torch.tensor(True), lambda a: a, lambda a: a @ torch.ones(3, 3), (torch.ones(2, 2),))
+
+
+def test_validation_can_be_turned_off_or_made_to_run_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return a.double()
+
+    monkeypatch.setattr(hop.config, "validate", "never")
+    hop.cond(torch.tensor(True), lambda a: a, f, (torch.ones(2),))  # not checked
+    monkeypatch.setattr(hop.config, "validate", "always")
+    calls: list[int] = []
+
+    def g(a: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return a + 1
+
+    for _ in range(3):
+        hop.cond(torch.tensor(True), lambda a: a * 2, g, (torch.ones(2),))
+    assert len(calls) == 3  # validated (on fake tensors) every call
+
+
+def test_validation_cache_is_bounded_with_fresh_closures(monkeypatch: pytest.MonkeyPatch) -> None:
+    _branching._VERDICTS.clear()
+    x = torch.ones(2)
+    for i in range(100_000):  # a fresh closure (over a fresh tensor) every call: one signature
+        w = torch.full((2,), float(i))
+        hop.cond(torch.tensor(i % 2 == 0), lambda a: a * w, lambda a: a + w, (x,))  # noqa: B023 (used now)
+    assert len(_branching._VERDICTS) == 1
+    monkeypatch.setattr(hop.config, "validation_cache_size", 4)
+    for rank in range(1, 11):  # ten signatures
+        hop.cond(torch.tensor(True), lambda a: a, lambda a: a, (torch.ones([1] * rank),))
+    assert 1 <= len(_branching._VERDICTS) <= 4
