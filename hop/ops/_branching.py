@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
+from types import FunctionType, MethodType
 from typing import Any
 
 import torch
@@ -191,17 +193,29 @@ def _flat_signature(name: str, branches: Sequence[Fn], operands: tuple[Any, ...]
     """The validation key of a call with flat plain-tensor operands (None otherwise)."""
     key: list[Any] = [name]
     for fn in branches:
-        try:
-            cells, code = fn.__closure__, fn.__code__
-        except AttributeError:  # a builtin, a module, a partial: keyed by identity
-            key.append(id(fn))
-            continue
-        key.append(code if cells is None else (code, *[_value_key(c.cell_contents) for c in cells]))
+        if type(fn) is FunctionType:
+            cells = fn.__closure__
+            key.append(fn.__code__ if cells is None else (fn.__code__, *[_value_key(c.cell_contents) for c in cells]))
+        else:
+            key.append(_callable_key(fn))
     for x in operands:
         if type(x) is not _Tensor:
             return None
         key += (x.dtype, x.dim(), x.get_device())
     return tuple(key)
+
+
+def _callable_key(fn: Any) -> Any:
+    """Key of a branch that is not a plain function: methods by code and owner,
+    partials by function and arguments, anything else (builtins, modules) by identity."""
+    if type(fn) is MethodType:
+        return (_callable_key(fn.__func__), id(fn.__self__))
+    if type(fn) is FunctionType:
+        return _flat_signature("", (fn,), ())
+    if isinstance(fn, functools.partial):
+        kwargs = tuple(sorted((k, _value_key(v)) for k, v in fn.keywords.items()))
+        return (_callable_key(fn.func), *map(_value_key, fn.args), kwargs)
+    return id(fn)
 
 
 def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:

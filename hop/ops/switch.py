@@ -18,7 +18,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop._operator import HigherOrderOperator
-from hop._transforms import functorch_level, is_dynamo_compiling, mode_stack_len, outside_dynamo, tf_mode_enabled
+from hop._transforms import (
+    functorch_level,
+    is_dynamo_compiling,
+    is_plain_tensor,
+    mode_stack_len,
+    outside_dynamo,
+    tf_mode_enabled,
+)
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.ops import _branching as br
 
@@ -155,8 +162,32 @@ def _index(index: Any, n: int) -> int:
 
 
 def _masks(index: Any, n: int) -> list[Any]:
-    torch._assert_async((index >= 0) & (index < n), f"hop.switch: index out of range for {n} branches")
+    _check_batched_index(index, n)
     return [index == k for k in range(n)]
+
+
+def _check_batched_index(index: torch.Tensor, n: int) -> None:
+    """Range-check every element of a vmap-batched index (batching rules cannot assert)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    raw = index
+    while torch._C._functorch.is_functorch_wrapped_tensor(raw):
+        raw = torch._C._functorch.get_unwrapped(raw)
+    with temporarily_clear_interpreter_stack():
+        bad = (raw < 0) | (raw >= n)
+        if is_plain_tensor(raw) and not mode_stack_len():
+            if bad.any():
+                raise HopValueError(
+                    format_message(
+                        "switch",
+                        f"index {raw[bad].flatten()[0].item()} (of a batch) is out of range for {n} branches",
+                        fix=f"Pass indices in [0, {n - 1}]; hop never clamps them.",
+                    ),
+                    op="switch",
+                    role="index",
+                )
+        else:
+            torch._assert_async(~bad.any(), f"hop.switch: index out of range for {n} branches")
 
 
 def _call(index: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:

@@ -1,0 +1,194 @@
+"""hop.switch across the transform matrix, one section per column, then errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from harness import check_autograd, check_eager, check_export, check_jvp, check_make_fx, check_vmap, roundtrip
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hop
+from hop.errors import HopTypeError, HopValueError, OutputMismatchError
+from hop.ops.switch import switch_op
+
+
+def branches(w: torch.Tensor) -> list[Any]:
+    return [lambda a: a.sin() * w, lambda a: a.cos() + w, lambda a: (a * a).tanh() - w]
+
+
+def program(i: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return hop.switch(i, branches(w), (x,))
+
+
+def reference(i: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return branches(w)[int(i)](x)
+
+
+X, W = torch.tensor([0.5, -1.0, 2.0]), torch.tensor([1.5, 0.5, -0.5])
+INPUTS = [(torch.tensor(k), X, W) for k in range(3)]
+
+
+# --- eager ------------------------------------------------------------------------------------
+
+
+def test_eager() -> None:
+    check_eager(program, reference, INPUTS)
+
+
+def test_python_int_and_int_tensors() -> None:
+    fns = [lambda a: a + 0, lambda a: a + 1, lambda a: a + 2]
+    for k in range(3):
+        assert hop.switch(k, fns, (torch.zeros(1),)).item() == k
+        for dtype in (torch.int64, torch.int32, torch.uint8):
+            assert hop.switch(torch.tensor([k], dtype=dtype), fns, (torch.zeros(1),)).item() == k
+
+
+def test_pytree_outputs_and_operands() -> None:
+    fns = [lambda d: {"y": d["x"] * 2, "n": d["x"].sum()}, lambda d: {"y": d["x"] - 1, "n": d["x"].mean()}]
+    out = hop.switch(torch.tensor(1), fns, ({"x": torch.ones(2)},))
+    torch.testing.assert_close(out["y"], torch.zeros(2))
+    torch.testing.assert_close(out["n"], torch.tensor(1.0))
+
+
+def test_raw_op_takes_both_layouts() -> None:
+    fns = (lambda a: a + 1, lambda a: a * 3)
+    x = torch.ones(2)
+    torch.testing.assert_close(switch_op(torch.tensor(1), fns, (x,)), torch.full((2,), 3.0))
+    torch.testing.assert_close(switch_op(torch.tensor(0), (x,), *fns), torch.full((2,), 2.0))
+
+
+def test_index_out_of_range_raises_in_eager() -> None:
+    fns = [lambda a: a, lambda a: a]
+    for bad in (2, -1, torch.tensor(5), torch.tensor(-1)):
+        with pytest.raises(HopValueError, match=r"^hop.switch: index -?\d is out of range for 2 branches"):
+            hop.switch(bad, fns, (torch.ones(1),))  # type: ignore[arg-type]
+
+
+# --- autograd, jvp ---------------------------------------------------------------------------------
+
+
+def test_autograd() -> None:
+    check_autograd(program, reference, INPUTS)
+
+
+def test_jvp() -> None:
+    check_jvp(program, reference, INPUTS)
+
+
+# --- vmap ---------------------------------------------------------------------------------------------
+
+
+def test_vmap_batched_index() -> None:
+    index = torch.tensor([2, 0, 1, 1, 0])
+    xs = torch.randn(5, 3)
+    check_vmap(program, reference, (index, xs, W), (0, 0, None))
+
+
+def test_vmap_batched_index_out_of_range() -> None:
+    with pytest.raises(HopValueError, match=r"index 3 \(of a batch\) is out of range for 3 branches"):
+        torch.vmap(program, in_dims=(0, 0, None))(torch.tensor([0, 3]), torch.randn(2, 3), W)
+
+
+def test_vmap_batched_index_traced_keeps_a_runtime_assert() -> None:
+    gm = make_fx(torch.vmap(program, in_dims=(0, 0, None)), tracing_mode="fake")(
+        torch.tensor([0, 1]), torch.randn(2, 3), W
+    )
+    assert "_assert_async" in gm.code
+    torch.testing.assert_close(
+        gm(torch.tensor([1, 2]), X.expand(2, 3), W), torch.stack([X.cos() + W, (X * X).tanh() - W])
+    )
+    with pytest.raises(RuntimeError, match="index out of range for 3 branches"):
+        gm(torch.tensor([1, 4]), X.expand(2, 3), W)
+
+
+def test_vmap_unbatched_index() -> None:
+    xs = torch.randn(4, 3)
+    out = torch.vmap(program, in_dims=(None, 0, None))(torch.tensor(2), xs, W)
+    torch.testing.assert_close(out, (xs * xs).tanh() - W)
+
+
+# --- fake, make_fx, export --------------------------------------------------------------------------
+
+
+def test_fake() -> None:
+    with FakeTensorMode():
+        out = program(torch.tensor(1), torch.randn(3), torch.randn(3))
+    assert out.shape == (3,)
+
+
+def test_make_fx() -> None:
+    check_make_fx(program, switch_op, INPUTS[0], INPUTS)
+
+
+def test_make_fx_symbolic_index() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return hop.switch(x.shape[0] - 2, [lambda a: a + 1, lambda a: a * 2], (x,))
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.ones(3))
+    assert any(n.target is switch_op for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(torch.ones(2)), torch.full((2,), 2.0))
+    torch.testing.assert_close(gm(torch.ones(3)), torch.full((3,), 2.0))
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(W.clone())
+
+    def forward(self, i: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return program(i, x, self.w)
+
+
+def test_export_and_runtime_assert() -> None:
+    m = Model()
+    inputs = [(torch.tensor(k), X * (k + 1)) for k in range(3)]
+    ep = check_export(m, switch_op, inputs[0], inputs)
+    node = next(n for n in ep.graph.nodes if n.target is switch_op)
+    assert len(node.args) == 5  # (index, operands, *three branches)
+    loaded = roundtrip(ep)
+    with pytest.raises(RuntimeError, match="index out of range for 3 branches"):
+        loaded.module()(torch.tensor(3), X)
+
+
+def test_export_dynamic_shapes() -> None:
+    dims = {"i": None, "x": {0: torch.export.Dim("n")}}
+    inputs = [(torch.tensor(k), torch.randn(n)) for k, n in ((0, 5), (2, 7))]
+    m = Model()
+    m.w = torch.nn.Parameter(torch.tensor(0.5))
+    check_export(m, switch_op, (torch.tensor(1), torch.randn(3)), inputs, dims)
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+
+
+def test_empty_branches() -> None:
+    with pytest.raises(HopValueError, match=r"^hop.switch: branches must be a non-empty list or tuple of callables"):
+        hop.switch(0, [], (torch.ones(1),))
+
+
+def test_branch_not_callable() -> None:
+    with pytest.raises(HopTypeError, match=r"^hop.switch: branches\[1\] must be callable, got str"):
+        hop.switch(torch.tensor(0), [lambda a: a, "no"], (torch.ones(1),))  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        (torch.tensor(1.0), "index must be an integer tensor, got dtype float32"),
+        (torch.tensor(True), "index must be an integer tensor, got dtype bool"),
+        (torch.tensor([0, 1]), r"index must have exactly one element, got shape \(2,\)"),
+        (1.5, "index must be an int, a SymInt or a one-element integer tensor, got float"),
+    ],
+)
+def test_bad_index(index: Any, message: str) -> None:
+    with pytest.raises((HopTypeError, HopValueError), match=message):
+        hop.switch(index, [lambda a: a, lambda a: a], (torch.ones(1),))
+
+
+def test_mismatch_names_the_branches_and_the_path() -> None:
+    fns = [lambda a: {"h": a}, lambda a: {"h": a}, lambda a: {"h": a.int()}]
+    with pytest.raises(OutputMismatchError, match=r'branches\[0\] and branches\[2\] disagree at output\["h"\]: dtype'):
+        hop.switch(torch.tensor(0), fns, (torch.ones(1),))
