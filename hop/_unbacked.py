@@ -21,6 +21,7 @@ from typing import Any
 import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
+from torch.utils._sympy.numbers import int_oo
 
 from hop.errors import OutputMismatchError, format_message
 
@@ -47,11 +48,12 @@ def _fresh(shape_env: ShapeEnv, values: Sequence[Any], *, size: bool) -> torch.S
     lows, highs = zip(*(_bounds(shape_env, v) for v in values), strict=True)
     low, high = min(lows), max(highs)
     sym = shape_env.create_unbacked_symint()
+    # torch's int_oo claims is_finite; compare against it instead
     if size:
-        _check(sym >= (max(int(low), 0) if low.is_finite else 0))
-    elif low.is_finite:
+        _check(sym >= (max(int(low), 0) if low != -int_oo else 0))
+    elif low != -int_oo:
         _check(sym >= int(low))
-    if high.is_finite:
+    if high != int_oo:
         _check(sym <= int(high))
     return sym
 

@@ -18,38 +18,21 @@ branches.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from types import FunctionType, MethodType
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hop import _subgraph, _transforms, config
+from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import merge_leaves
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, format_message
 
 Fn = Callable[..., Any]
-
-# Errors that mean "this branch cannot run on fake tensors", not "this branch is wrong".
-_CANNOT_FAKE = (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    UnsupportedOperatorException,
-    GuardOnDataDependentSymNode,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +160,8 @@ def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, .
         if validate != "never":
             return MISS
         return _run_unchecked(k, branches, operands)
-    key = _flat_signature(name, branches, operands)
-    if key is None or key not in _VERDICTS:
+    key = validation.flat_signature(name, branches, operands)
+    if key is None or key not in validation._VERDICTS:
         return MISS
     out = branches[k](*operands)
     if type(out) is _Tensor and not out._is_view():
@@ -187,35 +170,6 @@ def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, .
                 return out.clone()
         return out
     return _no_alias_tree(out, operands)
-
-
-def _flat_signature(name: str, branches: Sequence[Fn], operands: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """The validation key of a call with flat plain-tensor operands (None otherwise)."""
-    key: list[Any] = [name]
-    for fn in branches:
-        if type(fn) is FunctionType:
-            cells = fn.__closure__
-            key.append(fn.__code__ if cells is None else (fn.__code__, *[_value_key(c.cell_contents) for c in cells]))
-        else:
-            key.append(_callable_key(fn))
-    for x in operands:
-        if type(x) is not _Tensor:
-            return None
-        key += (x.dtype, x.dim(), x.get_device())
-    return tuple(key)
-
-
-def _callable_key(fn: Any) -> Any:
-    """Key of a branch that is not a plain function: methods by code and owner,
-    partials by function and arguments, anything else (builtins, modules) by identity."""
-    if type(fn) is MethodType:
-        return (_callable_key(fn.__func__), id(fn.__self__))
-    if type(fn) is FunctionType:
-        return _flat_signature("", (fn,), ())
-    if isinstance(fn, functools.partial):
-        kwargs = tuple(sorted((k, _value_key(v)) for k, v in fn.keywords.items()))
-        return (_callable_key(fn.func), *map(_value_key, fn.args), kwargs)
-    return id(fn)
 
 
 def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
@@ -265,45 +219,19 @@ def _no_alias_tree(out: Any, operands: Sequence[Any]) -> Any:
 
 # --- validation once per signature ------------------------------------------------------------
 
-_VERDICTS: dict[Any, None] = {}
-
-
-def _value_key(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, v.dim(), v.get_device())
-    if v is None or type(v) in (int, float, bool, str):
-        return (type(v), v)
-    return id(v)
-
-
-def _signature(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any) -> Any:
-    """What a validation verdict depends on: the branches' code and what they close
-    over, the operands' structure and metadata (dtype, rank, device)."""
-    if type(operands) is tuple:
-        key = _flat_signature(b.name, branches, operands)
-        if key is not None:
-            return key
-    fns = _flat_signature(b.name, branches, ())
-    assert fns is not None  # no operands: never None
-    return (*fns, spec, *map(_value_key, leaves))
-
 
 def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any, taken: int) -> None:
     """Run every branch once on fake tensors to check they agree (see ``hop.config.validate``)."""
-    if config.validate == "never":
-        return
-    key = _signature(b, branches, operands, leaves, spec)
-    if config.validate == "once" and key in _VERDICTS:
+    key = validation.signature(b.name, branches, operands, leaves, spec)
+    if validation.is_known(key):
         return
     flat, _ = flat_branches(b, branches, spec)
     roles = b.roles(len(branches))
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in leaves]
-    with mode, _quiet_fake_tensor_log():
+    with validation.fake_inputs(leaves) as fake:
         for k in [taken] + [i for i in range(len(flat)) if i != taken]:
             try:
                 flat[k](*fake)
-            except _CANNOT_FAKE:
+            except validation.CANNOT_FAKE:
                 continue  # data-dependent: cannot be checked ahead of time
             except HopTypeError:
                 raise
@@ -319,21 +247,7 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
                     op=b.name,
                     role=roles[k],
                 ) from e
-    if len(_VERDICTS) >= config.validation_cache_size:
-        _VERDICTS.clear()
-    _VERDICTS[key] = None
-
-
-@contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """torch logs a traceback when a meta kernel fails; here that is the verdict, not news."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    previous = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)
+    validation.remember(key)
 
 
 # --- rules -----------------------------------------------------------------------------------
@@ -496,10 +410,18 @@ def vmap(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], opera
 
 
 def _select_batched(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Every branch on the whole batch, each on its own copy of the operands; outputs
+    and in-place updates of operands are selected per element by the masks."""
     n = len(branches)
-    raw = [fn(*operands) for fn in branches]
-    outs = [as_tuple(r) for r in raw]
     masks = [m.reshape(()) for m in b.masks(sel, n)]
+    copies = [[x.clone() if isinstance(x, torch.Tensor) else x for x in operands] for _ in branches]
+    versions = [[_version(x) for x in c] for c in copies]
+    raw = [fn(*c) for fn, c in zip(branches, copies, strict=True)]
+    for i, x in enumerate(operands):
+        written = [k for k in range(n) if _version(copies[k][i]) != versions[k][i]]
+        if written:
+            x.copy_(_where_chain(masks, [copies[k][i] if k in written else x for k in range(n)]))
+    outs = [as_tuple(r) for r in raw]
     roles = b.roles(n)
     selected = []
     for i, col in enumerate(zip(*outs, strict=True)):
@@ -507,14 +429,28 @@ def _select_batched(b: Branching, sel: Any, branches: Sequence[Fn], operands: Se
             if any(v != col[0] for v in col):
                 raise _batched_mismatch(b, roles, i, col)
             selected.append(col[0])
-            continue
-        if any(c.shape != col[0].shape for c in col):
+        elif any(c.shape != col[0].shape for c in col):
             raise _batched_mismatch(b, roles, i, col)
-        acc = col[-1]
-        for k in range(n - 2, -1, -1):
-            acc = torch.where(masks[k], col[k], acc)
-        selected.append(acc)
+        else:
+            selected.append(_where_chain(masks, col))
     return like(raw[0], selected)
+
+
+def _version(x: Any) -> int:
+    """The version counter of the tensor under every functorch wrapper (wrappers keep 0)."""
+    if not isinstance(x, torch.Tensor):
+        return 0
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return int(x._version)
+
+
+def _where_chain(masks: Sequence[Any], values: Sequence[Any]) -> Any:
+    """``values[k]`` where ``masks[k]`` holds (the masks partition the batch)."""
+    acc = values[-1]
+    for k in range(len(values) - 2, -1, -1):
+        acc = torch.where(masks[k], values[k], acc)
+    return acc
 
 
 def _batched_mismatch(b: Branching, roles: Sequence[str], i: int, col: Sequence[Any]) -> HopValueError:

@@ -92,6 +92,11 @@ def switch(
             role="branches",
         )
     _check_index(index)
+    if type(index) is int:  # a Python int: just run that branch, like cond's Python bool
+        for role, fn in zip(SWITCH.roles(len(branches)), branches, strict=True):
+            if not callable(fn):
+                raise HopTypeError(format_message("switch", f"{role} must be callable, got {type(fn).__name__}"))
+        return branches[_index(index, len(branches))](*operands)
     return br.call(SWITCH, index, tuple(branches), operands)
 
 

@@ -19,8 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hop
+from hop import _validation as validation
 from hop.errors import HopError, HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError
-from hop.ops import _branching
 from hop.ops.cond import cond_op
 
 # --- the program table: (hop program, plain-Python reference, inputs) ----------------------
@@ -499,13 +499,40 @@ def test_validation_can_be_turned_off_or_made_to_run_every_time(monkeypatch: pyt
 
 
 def test_validation_cache_is_bounded_with_fresh_closures(monkeypatch: pytest.MonkeyPatch) -> None:
-    _branching._VERDICTS.clear()
+    validation._VERDICTS.clear()
     x = torch.ones(2)
     for i in range(100_000):  # a fresh closure (over a fresh tensor) every call: one signature
         w = torch.full((2,), float(i))
         hop.cond(torch.tensor(i % 2 == 0), lambda a: a * w, lambda a: a + w, (x,))  # noqa: B023 (used now)
-    assert len(_branching._VERDICTS) == 1
+    assert len(validation._VERDICTS) == 1
     monkeypatch.setattr(hop.config, "validation_cache_size", 4)
     for rank in range(1, 11):  # ten signatures
         hop.cond(torch.tensor(True), lambda a: a, lambda a: a, (torch.ones([1] * rank),))
-    assert 1 <= len(_branching._VERDICTS) <= 4
+    assert 1 <= len(validation._VERDICTS) <= 4
+
+
+def test_unknown_validate_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hop.config, "validate", "sometimes")
+    with pytest.raises(
+        HopValueError, match=r'hop.config: validate must be "once", "always" or "never", got \'sometimes\''
+    ):
+        hop.cond(torch.tensor(True), lambda a: a, lambda a: a + 1, (torch.ones(3),))
+
+
+def test_sizes_without_an_upper_bound_become_unbacked() -> None:
+    fn = lambda x: hop.cond(x.sum() > 0, lambda a: a[:2] * 2, lambda a: a.sin(), (x,))  # noqa: E731
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(5))
+    assert gm(torch.ones(7)).shape == (2,) and gm(-torch.ones(7)).shape == (7,)
+
+
+def test_vmap_batched_pred_with_in_place_updates_matches_python() -> None:
+    def t(a: torch.Tensor) -> torch.Tensor:
+        a.add_(1)
+        return a * 10
+
+    xs = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    ys = xs.clone()
+    out = torch.vmap(lambda x: hop.cond(x.sum() >= 0, t, lambda a: a * 2, (x,)))(xs)
+    want = torch.stack([t(y) if y.sum() >= 0 else y * 2 for y in ys])
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(xs, ys)

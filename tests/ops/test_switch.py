@@ -192,3 +192,12 @@ def test_mismatch_names_the_branches_and_the_path() -> None:
     fns = [lambda a: {"h": a}, lambda a: {"h": a}, lambda a: {"h": a.int()}]
     with pytest.raises(OutputMismatchError, match=r'branches\[0\] and branches\[2\] disagree at output\["h"\]: dtype'):
         hop.switch(torch.tensor(0), fns, (torch.ones(1),))
+
+
+def test_python_int_index_just_runs_that_branch() -> None:
+    ran: list[int] = []
+    fns = [lambda a: ran.append(0) or a, lambda a: ran.append(1) or a * 2]
+    out = hop.switch(1, fns, (torch.ones(1),))
+    assert ran == [1] and out.item() == 2.0
+    gm = make_fx(lambda x: hop.switch(0, fns, (x,)))(torch.ones(1))
+    assert not any(n.target is switch_op for n in gm.graph.nodes)
