@@ -7,14 +7,24 @@ from hop import _subgraph as subgraph
 from hop import config, debug, errors
 from hop._operator import HigherOrderOperator, registered_ops
 from hop.errors import HopError
+from hop.ops.associative_scan import associative_scan
 from hop.ops.cond import cond
+from hop.ops.fori_loop import fori_loop
+from hop.ops.map import map
+from hop.ops.scan import scan
 from hop.ops.switch import switch
+from hop.ops.while_loop import while_loop
 
 __all__ = [
     "HigherOrderOperator",
+    "associative_scan",
     "cond",
     "config",
+    "fori_loop",
+    "map",
+    "scan",
     "switch",
+    "while_loop",
     "HopError",
     "debug",
     "errors",

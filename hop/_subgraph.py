@@ -15,8 +15,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
+from types import FunctionType, MethodType
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ __all__ = [
     "check_same_outputs",
     "trace_subgraph",
     "trace_branches",
+    "closure_tensors",
     "emit",
     "Effects",
     "find_mutations_and_aliases",
@@ -147,7 +151,12 @@ def check_same_outputs(
     for k in range(1, len(outputs)):
         role, out = roles[k], outputs[k]
         pair = f"{roles[0]} and {role}"
-        where = "" if fns is None else f" ({roles[0]} is {describe_fn(fns[0])}, {role} is {describe_fn(fns[k])})"
+        named = (
+            []
+            if fns is None
+            else [f"{r} is {describe_fn(f)}" for r, f in ((roles[0], fns[0]), (role, fns[k])) if f is not None]
+        )
+        where = f" ({', '.join(named)})" if named else ""
         leaves, spec = flatten(out)
         if spec != ref_spec:
             raise OutputMismatchError(
@@ -212,6 +221,52 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
         return proxy_tensor.make_fx(fn, tracing_mode="fake")(*args)
     with fake_mode:
         return proxy_tensor.make_fx(fn, tracing_mode="real")(*args)
+
+
+def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]:
+    """Tensors the callables may read without receiving them: in closure cells, bound
+    ``self``, referenced globals and partial arguments, including the parameters and
+    buffers of modules found there (searched ``depth`` levels deep).
+
+    A static over-approximation, for eager paths that must differentiate with respect
+    to what a function closes over (traced paths lift exactly, Note [closure lifting]).
+    """
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, level: int) -> None:
+        if level > depth or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for t in (*obj.parameters(), *obj.buffers()):
+                found.setdefault(id(t), t)
+        elif isinstance(obj, FunctionType):
+            for cell in obj.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    visit(cell.cell_contents, level + 1)
+            for name in obj.__code__.co_names:
+                value = obj.__globals__.get(name)
+                if isinstance(value, (torch.Tensor, torch.nn.Module, FunctionType)):
+                    visit(value, level + 1)
+        elif isinstance(obj, MethodType):
+            visit(obj.__func__, level)
+            visit(obj.__self__, level + 1)
+        elif isinstance(obj, functools.partial):
+            for v in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(v, level + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj[:64]:
+                visit(v, level + 1)
+        elif isinstance(obj, dict):
+            for v in list(obj.values())[:64]:
+                visit(v, level + 1)
+
+    for fn in fns:
+        visit(fn, 0)
+    return list(found.values())
 
 
 # Note [closure lifting]

@@ -13,6 +13,8 @@ from torch._C._functorch import maybe_current_level as _functorch_level
 
 __all__ = [
     "in_plain_eager",
+    "no_modes",
+    "is_real",
     "is_concrete",
     "unwrap_batched",
     "add_batch_dims",
@@ -41,8 +43,18 @@ def is_plain_tensor(x: Any) -> bool:
     return type(x) in _PLAIN_TYPES and not x.is_meta and not torch._is_functional_tensor(x)
 
 
-def _no_modes() -> bool:
+def no_modes() -> bool:
+    """No dispatch mode, torch-function mode or pre-dispatch tracer is active."""
     return not mode_stack_len() and not tf_mode_enabled() and not is_included(PRE_DISPATCH)
+
+
+def is_real(x: Any) -> bool:
+    """An int, or a tensor that is real under every functorch wrapper (batched ones too)."""
+    if not isinstance(x, _Tensor):
+        return type(x) is int
+    while _is_wrapped(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return is_plain_tensor(x)
 
 
 def in_plain_eager() -> bool:
@@ -61,7 +73,7 @@ def is_concrete(x: Any) -> bool:
     """
     if type(x) in (bool, int):
         return True
-    if not isinstance(x, _Tensor) or not _no_modes():
+    if not isinstance(x, _Tensor) or not no_modes():
         return False
     while _is_wrapped(x):
         if _is_batched(x):  # one value per batch element: not one branch to choose

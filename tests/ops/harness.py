@@ -50,7 +50,8 @@ def _check_autograd_one(fn: Fn, ref: Fn, args: tuple[Any, ...]) -> None:
 
     def scalar(f: Fn) -> torch.Tensor:
         out = pytree.tree_leaves(f(*args))
-        return sum((o * (k + 1)).sum() for k, o in enumerate(out) if o.is_floating_point())  # type: ignore[return-value]
+        floats = [o for o in out if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        return sum((o * (k + 1)).sum() for k, o in enumerate(floats))  # type: ignore[return-value]
 
     got = torch.autograd.grad(scalar(fn), diff, allow_unused=True)
     want = torch.autograd.grad(scalar(ref), diff, allow_unused=True)
@@ -61,7 +62,7 @@ def _check_autograd_one(fn: Fn, ref: Fn, args: tuple[Any, ...]) -> None:
     def flat(*xs: Any) -> tuple[torch.Tensor, ...]:
         it = iter(xs)
         full = [next(it) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
-        return tuple(o for o in pytree.tree_leaves(fn(*full)) if o.is_floating_point())
+        return tuple(o for o in pytree.tree_leaves(fn(*full)) if isinstance(o, torch.Tensor) and o.is_floating_point())
 
     assert torch.autograd.gradcheck(flat, tuple(diff))
     assert torch.autograd.gradgradcheck(flat, tuple(diff))
@@ -83,7 +84,7 @@ def _check_jvp_one(fn: Fn, ref: Fn, args: tuple[Any, ...]) -> None:
             full = list(args)
             for i, p in zip(idx, ps, strict=True):
                 full[i] = p
-            return f(*full)
+            return tuple(o for o in pytree.tree_leaves(f(*full)) if isinstance(o, torch.Tensor))
 
         return g
 
@@ -92,20 +93,34 @@ def _check_jvp_one(fn: Fn, ref: Fn, args: tuple[Any, ...]) -> None:
     assert_close(got, want)
 
 
+def _tensors_only(f: Fn) -> Fn:
+    def g(*args: Any) -> tuple[torch.Tensor, ...]:  # torch.vmap returns tensors only
+        return tuple(o for o in pytree.tree_leaves(f(*args)) if isinstance(o, torch.Tensor))
+
+    return g
+
+
 def check_vmap(fn: Fn, ref: Fn, batched: tuple[Any, ...], in_dims: tuple[int | None, ...]) -> None:
     """torch.vmap of the hop program equals a Python loop of the reference over the batch."""
     size = next(a.shape[d] for a, d in zip(batched, in_dims, strict=True) if d is not None)
-    got = torch.vmap(fn, in_dims=in_dims)(*batched)
+    got = torch.vmap(_tensors_only(fn), in_dims=in_dims)(*batched)
     rows = [
-        ref(*[a if d is None else a.select(d, b) for a, d in zip(batched, in_dims, strict=True)]) for b in range(size)
+        _tensors_only(ref)(*[a if d is None else a.select(d, b) for a, d in zip(batched, in_dims, strict=True)])
+        for b in range(size)
     ]
     want = pytree.tree_map(lambda *xs: torch.stack(xs), *rows) if size else None
     assert_close(got, want)
 
 
-def check_make_fx(fn: Fn, op: Any, trace_args: tuple[Any, ...], inputs: Sequence[tuple[Any, ...]]) -> None:
+def check_make_fx(
+    fn: Fn,
+    op: Any,
+    trace_args: tuple[Any, ...],
+    inputs: Sequence[tuple[Any, ...]],
+    modes: Sequence[str] = ("real", "fake", "symbolic"),
+) -> None:
     """make_fx in real, fake and symbolic modes keeps ``op`` and matches eager on every input."""
-    for mode in ("real", "fake", "symbolic"):
+    for mode in modes:
         gm = make_fx(fn, tracing_mode=mode)(*trace_args)
         assert any(n.target is op for n in gm.graph.nodes), f"{mode}: {op} not in\n{gm.code}"
         for args in inputs:

@@ -1,0 +1,746 @@
+"""What scan and map share: the body convention, the eager loops, the checks and every rule.
+
+The raw ops take flat leaves::
+
+    torch.ops.hop.scan(body, init, xs, additional_inputs, reverse)
+    torch.ops.hop.map(body, xs, additional_inputs)          # a scan without carry
+
+``body(*carry, *x, *additional_inputs) -> (*next_carry, *y)`` (a bare tensor
+for one leaf), where ``x`` holds one slice along dim 0 of every leaf of ``xs``.
+The output is ``(*final_carry, *ys)``, a bare tensor for one leaf, with ``ys``
+stacked along dim 0 in the order of ``xs`` (also when ``reverse``). Each rule
+is written once against a :class:`Looping` and registered on both raw ops by
+``scan.py`` and ``map.py``; both ops differentiate through ``scan``.
+
+Note [scans run inline]
+As for cond (Note [eager branches run inline]), a scan over real tensors (real
+under every functorch wrapper, nothing tracing) runs as the plain Python loop at
+the current level: autograd, grad, jvp and vmap see each iteration's ops, which
+gives exact derivatives of every order, gradients to what the body closes over,
+and no compile step. Only a scan over fake, functional or symbolic values keeps
+the operator as one node, whose derivatives are scans again (:class:`_ScanFunction`)
+and whose batched version is a scan of the vmapped body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch._C._functorch import _add_batch_dim
+
+from hop import _subgraph, _transforms, _validation
+from hop._dispatch import map_tensors
+from hop._operator import HigherOrderOperator
+from hop._unbacked import rebind_sizes, run_in_subgraph
+from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError, format_message
+from hop.ops._branching import as_tuple
+
+Fn = Callable[..., Any]
+_Tensor = torch.Tensor
+_PAIR = (tuple, list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Looping:
+    """How one looping operator (scan or map) names its parts and calls its raw op."""
+
+    name: str
+    op: HigherOrderOperator
+    role: str  # the callable's parameter name: "combine_fn" or "f"
+    # the raw op from (body, init, xs, additional, reverse), and its node's arguments
+    call: Callable[[Fn, Sequence[Any], Sequence[Any], Sequence[Any], bool], Any]
+    node_args: Callable[[Any, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], bool], tuple[Any, ...]]
+
+
+def pack(flat: Sequence[Any]) -> Any:
+    """The raw ops' output convention: a bare value for one leaf, else a tuple."""
+    return flat[0] if len(flat) == 1 else tuple(flat)
+
+
+def flatten(tree: Any) -> tuple[list[Any], Any]:
+    """Leaves and structure; ``None`` is an empty subtree (``return carry, None`` has no y)."""
+    return optree.tree_flatten(tree, none_is_leaf=False, namespace="torch")
+
+
+def unflatten(leaves: Sequence[Any], spec: Any) -> Any:
+    return optree.tree_unflatten(spec, list(leaves))
+
+
+def leaf_paths(tree: Any, root: str) -> list[str]:
+    """``root[1]["h"]``-style names of the leaves of ``tree`` in :func:`flatten`'s order."""
+    paths = []
+    for accessor in optree.tree_accessors(tree, none_is_leaf=False, namespace="torch"):
+        path = root
+        for e in accessor:
+            if isinstance(e, optree.NamedTupleEntry):
+                path += f".{e.field}"
+            elif isinstance(e, optree.GetAttrEntry):
+                path += f".{e.name}"
+            elif isinstance(e, optree.MappingEntry) and isinstance(e.entry, str):
+                path += f'["{e.entry}"]'
+            else:
+                path += f"[{e.entry!r}]"
+        paths.append(path)
+    return paths
+
+
+# --- argument checks -----------------------------------------------------------------------------
+
+
+def check_callable(name: str, role: str, fn: Any) -> None:
+    if not callable(fn):
+        raise HopTypeError(
+            format_message(name, f"{role} must be callable, got {type(fn).__name__}"), op=name, role=role
+        )
+
+
+def check_leaves(name: str, root: str, tree: Any, leaves: Sequence[Any], *, ints: bool = False) -> None:
+    """Every leaf is a tensor (or an int / SymInt when ``ints``)."""
+    kinds = (torch.Tensor, int, torch.SymInt) if ints else (torch.Tensor,)
+    for path, leaf in zip(leaf_paths(tree, root), leaves, strict=True):
+        if not isinstance(leaf, kinds) or isinstance(leaf, bool):
+            what = "a tensor or an int" if ints else "a tensor"
+            raise HopTypeError(
+                format_message(
+                    name,
+                    f"must be {what}, got {type(leaf).__name__}",
+                    path=path,
+                    fix=f"Close over other values in the function instead of passing them in {root}.",
+                ),
+                op=name,
+                role=root,
+                path=path,
+            )
+
+
+def check_xs(name: str, xs: Any, leaves: Sequence[torch.Tensor], dim: Any) -> tuple[list[int], Any]:
+    """Each leaf's scanned dimension (``dim`` made non-negative per leaf) and the common length."""
+    if type(dim) is not int:
+        raise HopTypeError(format_message(name, f"dim must be an int, got {type(dim).__name__}"), op=name, role="dim")
+    if not leaves:
+        raise HopValueError(
+            format_message(name, "xs must contain at least one tensor: the length of the loop is read from it"),
+            op=name,
+            role="xs",
+        )
+    check_leaves(name, "xs", xs, leaves)
+    paths = leaf_paths(xs, "xs")
+    dims: list[int] = []
+    for path, x in zip(paths, leaves, strict=True):
+        if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+            raise HopValueError(
+                format_message(
+                    name,
+                    f"dim {dim} is out of range for a tensor of rank {x.dim()}",
+                    path=path,
+                    fix=f"Pass a dim in [-{x.dim()}, {x.dim() - 1}]." if x.dim() else "Pass tensors of rank >= 1.",
+                ),
+                op=name,
+                role="dim",
+                path=path,
+            )
+        dims.append(dim % x.dim())
+    n = leaves[0].shape[dims[0]]
+    for path, x, d in zip(paths[1:], leaves[1:], dims[1:], strict=True):
+        if not _same_size(x.shape[d], n):
+            raise HopValueError(
+                format_message(
+                    name,
+                    f"has length {x.shape[d]} along dim {dim}, but {paths[0]} has length {n}",
+                    path=path,
+                    fix=f"Give every leaf of xs the same length along dim {dim}.",
+                ),
+                op=name,
+                role="xs",
+                path=path,
+            )
+    return dims, n
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return a is b or bool(statically_known_true(a == b))
+
+
+def runs_inline(n: Any, *groups: Sequence[Any]) -> bool:
+    """Note [scans run inline]: real values, nothing tracing, a known length (an empty
+    scan needs fake tensors for its output metadata, so only in plain eager)."""
+    if not _transforms.no_modes() or type(n) is not int:
+        return False
+    if n == 0 and _transforms.functorch_level() is not None:
+        return False
+    return all(_transforms.is_real(v) for group in groups for v in group)
+
+
+# --- output checks -------------------------------------------------------------------------------
+
+
+def not_a_pair(L: Looping, fn: Fn, out: Any) -> HopTypeError:
+    got = f"a {type(out).__name__} of length {len(out)}" if isinstance(out, _PAIR) else type(out).__name__
+    return HopTypeError(
+        format_message(
+            L.name,
+            f"{L.role} must return a (next_carry, y) pair, got {got} ({L.role} is {_subgraph.describe_fn(fn)})",
+            fix="Return a tuple (next_carry, y); use () or None for an empty carry or no y.",
+        ),
+        op=L.name,
+        role=L.role,
+    )
+
+
+def check_carry(L: Looping, fn: Fn, init: Any, carry: Any) -> list[Any]:
+    """``carry``'s leaves, after checking it has ``init``'s structure, dtypes, devices and shapes."""
+    fix = f"{L.role} must return a next_carry with the structure, dtypes, devices and shapes of init."
+    return check_like(L.name, L.role, fn, init, carry, "carry", "init and next_carry", fix)
+
+
+def check_like(name: str, role: str, fn: Fn, ref: Any, out: Any, root: str, pair: str, fix: str = "") -> list[Any]:
+    """``out``'s leaves, after checking it has ``ref``'s structure and, per tensor leaf,
+    dtype, device and shape; errors name ``root``-based paths and ``pair`` ("init and next_carry")."""
+    leaves, spec = flatten(out)
+    ref_leaves, ref_spec = flatten(ref)
+    where = f"({role} is {_subgraph.describe_fn(fn)})"
+    fix = fix or f"{role} must return values with the structure, dtypes, devices and shapes of its inputs."
+    if spec != ref_spec:
+        raise OutputMismatchError(
+            format_message(
+                name,
+                f"{pair} differ: structure {_spec_str(ref_spec)} vs {_spec_str(spec)} {where}",
+                role=role,
+                path=root,
+                fix=fix,
+            ),
+            op=name,
+            role=role,
+            path=root,
+        )
+    for path, a, b in zip(leaf_paths(ref, root), ref_leaves, leaves, strict=True):
+        diff = leaf_difference(a, b)
+        if diff is not None:
+            raise OutputMismatchError(
+                format_message(name, f"{pair} differ: {diff} {where}", role=role, path=path, fix=fix),
+                op=name,
+                role=role,
+                path=path,
+            )
+    return leaves
+
+
+def _spec_str(spec: Any) -> str:
+    return str(optree.tree_unflatten(spec, ["*"] * spec.num_leaves)).replace("'*'", "*")
+
+
+def leaf_difference(a: Any, b: Any) -> str | None:
+    """How tensor ``b`` differs from tensor ``a`` in kind, dtype, device or shape (None if it does not)."""
+    if not isinstance(b, _Tensor):
+        return f"Tensor vs {type(b).__name__}"
+    if a.dtype != b.dtype:
+        return f"dtype {_dtype(a)} vs {_dtype(b)}"
+    if a.device != b.device:
+        return f"device {a.device} vs {b.device}"
+    if a.dim() != b.dim():
+        return f"rank {a.dim()} vs {b.dim()} (shapes {tuple(a.shape)} vs {tuple(b.shape)})"
+    if not all(_same_size(p, q) for p, q in zip(a.shape, b.shape, strict=True)):
+        return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    return None
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def stack_ys(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> Any:
+    """The outputs of every iteration, each leaf stacked along ``dim``."""
+    try:
+        if isinstance(ys[0], _Tensor):
+            return torch.stack(ys, dim)  # type: ignore[arg-type]
+        return optree.tree_map(lambda *col: torch.stack(col, dim), *ys, none_is_leaf=False, namespace="torch")
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:
+        raise ys_error(L, fn, ys, dim, root) or e from None
+
+
+def ys_error(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopValueError | None:
+    """Why the outputs of the iterations cannot be stacked along ``dim``."""
+    where = f"({L.role} is {_subgraph.describe_fn(fn)})"
+    first, spec = flatten(ys[0])
+    for path, leaf in zip(leaf_paths(ys[0], root), first, strict=True):
+        if not isinstance(leaf, _Tensor):
+            return _ys_fail(L, f"must be a tensor, got {type(leaf).__name__} {where}", path, "Return tensors.")
+        if not -leaf.dim() - 1 <= dim <= leaf.dim():
+            return _ys_fail(
+                L,
+                f"a tensor of rank {leaf.dim()} cannot be stacked along dim {dim} {where}",
+                path,
+                f"Return tensors of rank >= {dim if dim >= 0 else -dim - 1} or scan along another dim.",
+            )
+    for i, y in enumerate(ys[1:], start=1):
+        leaves, other = flatten(y)
+        if other != spec:
+            return _ys_fail(
+                L,
+                f"iterations 0 and {i} return different structures: {_spec_str(spec)} vs {_spec_str(other)} {where}",
+                root,
+                "Return the same structure in every iteration.",
+            )
+        for path, a, b in zip(leaf_paths(ys[0], root), first, leaves, strict=True):
+            diff = leaf_difference(a, b)
+            if diff is not None:
+                return _ys_fail(
+                    L,
+                    f"iterations 0 and {i} differ: {diff} {where}",
+                    path,
+                    "Every iteration must return tensors of the same dtype, device and shape.",
+                )
+    return None
+
+
+def _ys_fail(L: Looping, what: str, path: str, fix: str) -> HopValueError:
+    return HopValueError(
+        format_message(L.name, what, role=L.role, path=path, fix=fix), op=L.name, role=L.role, path=path
+    )
+
+
+def stack_dim(dim: int, rank: int) -> int:
+    """``dim`` as a non-negative position in a stack of tensors of rank ``rank``."""
+    return dim if dim >= 0 else dim + rank + 1
+
+
+def slices(xs: Any, leaves: Sequence[torch.Tensor], spec: Any, dims: Sequence[int]) -> Sequence[Any]:
+    """The slices of ``xs`` along ``dims``, as pytrees shaped like ``xs``."""
+    if isinstance(xs, _Tensor):
+        return xs.unbind(dims[0])
+    columns = [x.unbind(d) for x, d in zip(leaves, dims, strict=True)]
+    return [optree.tree_unflatten(spec, list(col)) for col in zip(*columns, strict=True)]
+
+
+def empty_slices(leaves: Sequence[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor]:
+    """Uninitialized tensors shaped like one slice of each leaf (to trace or run on fake tensors)."""
+    return [
+        torch.empty([s for k, s in enumerate(x.shape) if k != d], dtype=x.dtype, device=x.device)
+        for x, d in zip(leaves, dims, strict=True)
+    ]
+
+
+def no_alias(leaves: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """``leaves`` with every tensor that is or views an input cloned."""
+    if any(isinstance(o, _Tensor) and (o._is_view() or any(o is x for x in inputs)) for o in leaves):
+        return _subgraph.clone_aliases(leaves, inputs)
+    return list(leaves)
+
+
+def on_fake(L: Looping, fn: Fn, leaves: Sequence[Any], make: Callable[[list[Any]], Any]) -> Any:
+    """``make(fake leaves)`` on static fake copies of ``leaves``: the output metadata of an empty loop."""
+    with _validation.fake_inputs(leaves) as fake:
+        try:
+            return make(fake)
+        except _validation.CANNOT_FAKE as e:
+            raise HopRuntimeError(
+                format_message(
+                    L.name,
+                    f"xs has length 0, and the shapes of the outputs cannot be found without running "
+                    f"{L.role} ({_subgraph.describe_fn(fn)}), which fails on fake tensors: {type(e).__name__}",
+                    fix="Scan over a non-empty dimension, or avoid data-dependent shapes in the function.",
+                ),
+                op=L.name,
+                role=L.role,
+            ) from e
+
+
+# --- rules -------------------------------------------------------------------------------------
+
+
+def dense(
+    L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+) -> Any:
+    """The loop over dim 0 of ``xs``, at the current level (Note [scans run inline])."""
+    n = xs[0].shape[0]
+    if n == 0:
+        return _empty(L, body, init, xs, additional)
+    nc = len(init)
+    columns = [x.unbind(0) for x in xs]
+    carry: Sequence[Any] = tuple(init)
+    ys: list[Any] = [None] * n
+    for i in range(n - 1, -1, -1) if reverse else range(n):
+        out = as_tuple(body(*carry, *[c[i] for c in columns], *additional))
+        carry, ys[i] = out[:nc], out[nc:]
+    stacked = [torch.stack(col) for col in zip(*ys, strict=True)]
+    return pack([*no_alias(carry, [*init, *xs, *additional]), *stacked])
+
+
+def _empty(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> Any:
+    """A loop of length 0: ``init`` (cloned) and empty ``ys`` shaped by one fake run of the body."""
+    nc = len(init)
+
+    def run(fake: list[Any]) -> list[Any]:
+        out = as_tuple(body(*fake[:nc], *empty_slices(xs, [0] * len(xs)), *fake[nc:]))
+        return [(y.shape, y.dtype, y.device) for y in out[nc:]]
+
+    metas = on_fake(L, body, [*init, *additional], run)
+    ys = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype, device in metas]
+    return pack([*(c.clone() for c in init), *ys])
+
+
+def autograd(
+    L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+) -> Any:
+    """Inline for real tensors (Note [scans run inline]), else one node differentiated by scans."""
+    if runs_inline(xs[0].shape[0], init, xs, additional):
+        return dense(L, body, init, xs, additional, reverse)
+    counts = (len(init), len(xs), len(additional))
+    return _ScanFunction.apply(L, body, reverse, counts, *init, *xs, *additional)  # type: ignore[no-untyped-call]
+
+
+def transform(
+    L: Looping,
+    interpreter: Any,
+    body: Fn,
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    additional: Sequence[Any],
+    reverse: bool,
+) -> Any:
+    """torch.func.grad / jvp: as :func:`autograd`, with the tensors this transform tracks that
+    the body closes over made explicit inputs of the node (see :func:`lift_transform_closures`)."""
+    if not runs_inline(xs[0].shape[0], init, xs, additional):
+        body, extra = lift_transform_closures(body, interpreter.level())
+        additional = (*additional, *extra)
+    return autograd(L, body, init, xs, additional, reverse)
+
+
+class _Substitute(torch.overrides.TorchFunctionMode):
+    """Inside, every torch function receives ``pairs[id(t)]`` where it was given tensor ``t``."""
+
+    def __init__(self, pairs: dict[int, Any]) -> None:
+        super().__init__()
+        self.pairs = pairs
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = map_tensors(lambda t: self.pairs.get(id(t), t), (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def lift_transform_closures(body: Fn, level: int) -> tuple[Fn, list[Any]]:
+    """The tensors wrapped by the torch.func grad / jvp transform at ``level`` that ``body``
+    closes over (found by :func:`hop._subgraph.closure_tensors`), and ``body`` taking them as
+    extra trailing inputs that replace them. A traced node is differentiated with respect to
+    its inputs only: without this, their gradients would silently be zero."""
+    from torch._C._functorch import is_gradtrackingtensor, maybe_get_level
+
+    found = [t for t in _subgraph.closure_tensors([body]) if is_gradtrackingtensor(t) and maybe_get_level(t) == level]
+    if not found:
+        return body, []
+    n = len(found)
+
+    def substituted(*args: Any) -> Any:
+        with _Substitute({id(t): v for t, v in zip(found, args[-n:], strict=True)}):
+            return body(*args[:-n])
+
+    substituted.__qualname__ = getattr(body, "__qualname__", "body")
+    substituted.__wrapped__ = body  # type: ignore[attr-defined]
+    return substituted, found
+
+
+def lift_closures(body: Fn, examples: Callable[[], Sequence[Any]]) -> tuple[Fn, list[Any]]:
+    """Under make_fx with grad enabled: ``body`` traced on ``examples()`` with what it closes
+    over lifted to extra inputs (Note [closure lifting]), so that autograd sees those too
+    (a closed-over tensor that requires grad is invisible to the dispatcher)."""
+    from torch.fx.experimental import proxy_tensor
+
+    if (
+        proxy_tensor._CURRENT_MAKE_FX_TRACER is None
+        or not torch.is_grad_enabled()
+        or _transforms.functorch_level() is not None
+    ):
+        return body, []
+    with proxy_tensor.disable_proxy_modes_tracing():
+        (gm,), lifted = _subgraph.trace_branches([body], examples())
+    if not lifted:
+        return body, []
+    gm.__wrapped__ = body  # type: ignore[assignment]  # names the function in errors
+    return gm, lifted
+
+
+def vmap(
+    L: Looping,
+    interpreter: Any,
+    body: Fn,
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    additional: Sequence[Any],
+    reverse: bool,
+) -> Any:
+    """Inline for real tensors; else the op one level down on the vmapped body.
+
+    The carry always gets the batch (at dim 0), each batched leaf of ``xs`` has it
+    moved to dim 1 (dim 0 is scanned), ``ys`` come back batched at dim 1.
+    """
+    if runs_inline(xs[0].shape[0], init, xs, additional):
+        return dense(L, body, init, xs, additional, reverse)
+    level = interpreter.level()
+    init_u, init_d = _transforms.unwrap_batched(init, level)
+    xs_u, xs_d = _transforms.unwrap_batched(xs, level)
+    add_u, add_d = _transforms.unwrap_batched(additional, level)
+    if all(d is None for d in (*init_d, *xs_d, *add_d)):
+        with interpreter.lower():
+            return L.call(body, init_u, xs_u, add_u, reverse)
+    size = interpreter.batch_size()
+    init_b = [
+        v.unsqueeze(0).expand(size, *v.shape) if d is None else v.movedim(d, 0)
+        for v, d in zip(init_u, init_d, strict=True)
+    ]
+    xs_b = [v if d is None else v.movedim(d, 1) for v, d in zip(xs_u, xs_d, strict=True)]
+    in_dims = (*[0] * len(init), *[None if d is None else 0 for d in xs_d], *add_d)
+    batched = torch.vmap(body, in_dims=in_dims, randomness=interpreter.randomness())
+    with interpreter.lower():
+        out = as_tuple(L.call(batched, init_b, xs_b, add_u, reverse))
+    nc = len(init)
+    return pack([_add_batch_dim(o, 0 if k < nc else 1, level) for k, o in enumerate(out)])
+
+
+def functionalize(
+    L: Looping, ctx: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+) -> Any:
+    """Functionalize the body and call the op on the unwrapped operands."""
+    init_u, xs_u, add_u = (ctx.unwrap_tensors(list(v)) for v in (init, xs, additional))
+    with ctx.redispatch_to_next():
+        out = L.call(ctx.functionalize(body), init_u, xs_u, add_u, reverse)
+    return ctx.wrap_tensors(out)
+
+
+def fake(
+    L: Looping, mode: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+) -> Any:
+    """Output metadata: the body once on fake slices; ``ys`` get the scanned length in front."""
+    with mode:
+        shape_env = mode.shape_env
+        nc = len(init)
+        out, local = run_in_subgraph(
+            shape_env, lambda: as_tuple(body(*init, *empty_slices(xs, [0] * len(xs)), *additional))
+        )
+        check_carry(L, body, list(init), list(out[:nc]))
+        n = xs[0].shape[0]
+        ys = [rebind_sizes(y.new_empty((n, *y.shape)), shape_env, local) for y in out[nc:]]
+        return pack([*(torch.empty_like(c, memory_format=torch.contiguous_format) for c in init), *ys])
+
+
+def examples(init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> list[Any]:
+    """Fresh values to trace a body on (the carry must not alias closed-over tensors, nor
+    two carries each other), and the additional inputs."""
+    return [*(torch.empty_like(c) for c in init), *empty_slices(xs, [0] * len(xs)), *additional]
+
+
+def proxy(
+    L: Looping, mode: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+) -> Any:
+    """Trace the body on fresh example values (lifting what it closes over) and record one node."""
+    (gm,), lifted = _subgraph.trace_branches([body], examples(init, xs, additional))
+    check_effects(L.name, L.role, body, gm)
+    all_additional = (*additional, *lifted)
+    out = L.call(gm, init, xs, all_additional, reverse)  # the proxy mode is popped: this reaches the fake rule
+    return _subgraph.emit(mode, L.op, L.node_args(gm, tuple(init), tuple(xs), all_additional, reverse), out)
+
+
+def check_effects(name: str, role: str, fn: Fn, gm: torch.fx.GraphModule) -> None:
+    """Refuse a body that writes its inputs; clone outputs that alias them."""
+    effects = _subgraph.find_mutations_and_aliases(gm)
+    if effects.mutated:
+        raise MutationError(
+            format_message(
+                name,
+                f"{role} ({_subgraph.describe_fn(fn)}) writes its input {effects.mutated[0]} in place; in-place "
+                "updates of the carry, xs or closed-over tensors run in eager but cannot be traced (make_fx, "
+                "torch.export)",
+                fix="Return the updated value instead of writing the input.",
+            ),
+            op=name,
+            role=role,
+        )
+    if effects.aliased:
+        _subgraph.clone_aliased_outputs(gm, effects)
+
+
+# --- derivatives: scans of the body's vjp and jvp ---------------------------------------------------------
+
+
+def differentiable(x: Any) -> bool:
+    return isinstance(x, _Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _diff(values: Sequence[Any]) -> list[int]:
+    return [i for i, v in enumerate(values) if differentiable(v)]
+
+
+def _place(values: Sequence[Any], at: Sequence[int], new: Sequence[Any]) -> list[Any]:
+    full = list(values)
+    for i, v in zip(at, new, strict=True):
+        full[i] = v
+    return full
+
+
+def _scatter(n: int, at: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    return _place([None] * n, at, values)
+
+
+class _ScanFunction(torch.autograd.Function):
+    """A scan (or map) as one autograd node: backward is a reverse scan of the body's vjp,
+    jvp a scan of the body's jvp (Note [scans run inline] covers real tensors)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(L: Looping, body: Fn, reverse: bool, counts: tuple[int, int, int], *operands: Any) -> Any:
+        init, xs, additional = _split(operands, counts)
+        return L.call(body, init, xs, additional, reverse)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.L, ctx.body, ctx.reverse, ctx.counts, *operands = inputs
+        ctx.out_diff = [differentiable(o) for o in as_tuple(output)]
+        save_operands(ctx, operands)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        init, xs, additional = _split(saved_operands(ctx), ctx.counts)
+        return (None, None, None, None, *scan_vjp(ctx.body, init, xs, additional, ctx.reverse, grads, ctx.out_diff))
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        init, xs, additional = _split(saved_operands(ctx), ctx.counts)
+        return scan_jvp(ctx.L.call, ctx.body, init, xs, additional, ctx.reverse, tangents[4:], ctx.out_diff)
+
+
+def save_operands(ctx: Any, operands: Sequence[Any]) -> None:
+    """Keep ``operands`` (tensors, ints, SymInts) on an autograd ``ctx`` for backward and jvp."""
+    tensors = [x for x in operands if isinstance(x, _Tensor)]
+    ctx.save_for_backward(*tensors)
+    ctx.save_for_forward(*tensors)
+    ctx.layout = [isinstance(x, _Tensor) for x in operands]
+    ctx.others = [x for x in operands if not isinstance(x, _Tensor)]
+
+
+def saved_operands(ctx: Any) -> list[Any]:
+    tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+    return [next(tensors) if t else next(others) for t in ctx.layout]
+
+
+def _split(operands: Sequence[Any], counts: tuple[int, int, int]) -> tuple[list[Any], list[Any], list[Any]]:
+    nc, nx, _ = counts
+    return list(operands[:nc]), list(operands[nc : nc + nx]), list(operands[nc + nx :])
+
+
+def scan_vjp(
+    body: Fn,
+    init: list[Any],
+    xs: list[Any],
+    additional: list[Any],
+    reverse: bool,
+    grads: Sequence[Any],
+    out_diff: Sequence[bool],
+) -> list[Any]:
+    """Gradients of every operand: a scan in the other direction over the stacked input
+    carries (recomputed by a forward scan), ``xs`` and the cotangents of ``ys``; its carry
+    is the cotangent of the carry and the running sum of the gradients of the additional inputs."""
+    from hop.ops.scan import scan_op
+
+    nc = len(init)
+    dc, dx, da = _diff(init), _diff(xs), _diff(additional)
+    dy = [j for j in range(len(grads) - nc) if out_diff[nc + j]]
+    carries: tuple[Any, ...] = ()
+    if nc:
+        carries = as_tuple(scan_op(_carries_body(body, nc), init, xs, additional, reverse))[nc:]
+    step = _vjp_body(body, (nc, len(xs), len(additional)), dc, dx, da, dy)
+    g_carry = [grads[i] for i in dc]
+    g_ys = [grads[nc + j] for j in dy]
+    zeros = [torch.zeros_like(additional[i]) for i in da]
+    out = as_tuple(scan_op(step, (*g_carry, *zeros), (*carries, *xs, *g_ys), additional, not reverse))
+    g_init, g_add, g_xs = out[: len(dc)], out[len(dc) : len(dc) + len(da)], out[len(dc) + len(da) :]
+    return [*_scatter(nc, dc, g_init), *_scatter(len(xs), dx, g_xs), *_scatter(len(additional), da, g_add)]
+
+
+def _carries_body(body: Fn, nc: int) -> Fn:
+    """``body`` that also returns its input carry as a y, to stack every iteration's carry."""
+
+    def carries(*args: Any) -> tuple[Any, ...]:
+        return (*as_tuple(body(*args))[:nc], *args[:nc])
+
+    return carries
+
+
+def _vjp_body(body: Fn, counts: tuple[int, int, int], dc: list[int], dx: list[int], da: list[int], dy: list[int]) -> Fn:
+    """``(*g_carry, *g_add, *carry, *x, *g_y, *additional) -> (*g_carry_in, *g_add + step's, *g_x)``."""
+    nc, nx, _ = counts
+
+    def vjp_step(*args: Any) -> tuple[Any, ...]:
+        g_carry, g_add = args[: len(dc)], args[len(dc) : len(dc) + len(da)]
+        rest = args[len(dc) + len(da) :]
+        carry, x = rest[:nc], rest[nc : nc + nx]
+        g_y, additional = rest[nc + nx : nc + nx + len(dy)], rest[nc + nx + len(dy) :]
+
+        def on_diff(*d: Any) -> tuple[Any, ...]:
+            c = _place(carry, dc, d[: len(dc)])
+            xx = _place(x, dx, d[len(dc) : len(dc) + len(dx)])
+            out = as_tuple(body(*c, *xx, *_place(additional, da, d[len(dc) + len(dx) :])))
+            return (*[out[i] for i in dc], *[out[nc + j] for j in dy])
+
+        primals = [*[carry[i] for i in dc], *[x[i] for i in dx], *[additional[i] for i in da]]
+        grads = torch.func.vjp(on_diff, *primals)[1]((*g_carry, *g_y))
+        g_x, g_add_step = grads[len(dc) : len(dc) + len(dx)], grads[len(dc) + len(dx) :]
+        return (*grads[: len(dc)], *[a + b for a, b in zip(g_add, g_add_step, strict=True)], *g_x)
+
+    vjp_step.__qualname__ = f"vjp_{getattr(body, '__qualname__', 'body')}"
+    return vjp_step
+
+
+def scan_jvp(
+    call: Callable[[Fn, Sequence[Any], Sequence[Any], Sequence[Any], bool], Any],
+    body: Fn,
+    init: list[Any],
+    xs: list[Any],
+    additional: list[Any],
+    reverse: bool,
+    tangents: Sequence[Any],
+    out_diff: Sequence[bool],
+) -> Any:
+    """Output tangents: the op again on the body's jvp, carrying ``(carry, carry tangent)``."""
+    nc, nx, na = len(init), len(xs), len(additional)
+    dc, dx, da = _diff(init), _diff(xs), _diff(additional)
+    dy = [j for j in range(len(out_diff) - nc) if out_diff[nc + j]]
+    values = [*init, *xs, *additional]
+
+    def tangent(k: int) -> Any:
+        return torch.zeros_like(values[k]) if tangents[k] is None else tangents[k]
+
+    t_init, t_xs, t_add = ([tangent(off + i) for i in idx] for off, idx in ((0, dc), (nc, dx), (nc + nx, da)))
+    step = _jvp_body(body, (nc, nx, na), dc, dx, da, dy)
+    out = as_tuple(call(step, (*init, *t_init), (*xs, *t_xs), (*additional, *t_add), reverse))
+    t_carry = _scatter(nc, dc, out[nc : nc + len(dc)])
+    t_ys = _scatter(len(out_diff) - nc, dy, out[nc + len(dc) + len(out_diff) - nc :])
+    return pack([*t_carry, *t_ys])
+
+
+def _jvp_body(body: Fn, counts: tuple[int, int, int], dc: list[int], dx: list[int], da: list[int], dy: list[int]) -> Fn:
+    """``(*carry, *t_carry, *x, *t_x, *additional, *t_add) -> (*next_carry, *t_next_carry, *y, *t_y)``."""
+    nc, nx, na = counts
+
+    def jvp_step(*args: Any) -> tuple[Any, ...]:
+        carry, t_carry = args[:nc], args[nc : nc + len(dc)]
+        rest = args[nc + len(dc) :]
+        x, t_x = rest[:nx], rest[nx : nx + len(dx)]
+        additional, t_add = rest[nx + len(dx) : nx + len(dx) + na], rest[nx + len(dx) + na :]
+
+        def on_diff(*d: Any) -> tuple[Any, ...]:
+            c = _place(carry, dc, d[: len(dc)])
+            xx = _place(x, dx, d[len(dc) : len(dc) + len(dx)])
+            return as_tuple(body(*c, *xx, *_place(additional, da, d[len(dc) + len(dx) :])))
+
+        primals = (*[carry[i] for i in dc], *[x[i] for i in dx], *[additional[i] for i in da])
+        out, t_out = torch.func.jvp(on_diff, primals, (*t_carry, *t_x, *t_add))[:2]
+        return (*out[:nc], *[t_out[i] for i in dc], *out[nc:], *[t_out[nc + j] for j in dy])
+
+    jvp_step.__qualname__ = f"jvp_{getattr(body, '__qualname__', 'body')}"
+    return jvp_step

@@ -1,0 +1,314 @@
+"""``hop.associative_scan`` and its raw op ``torch.ops.hop.associative_scan``.
+
+The raw op is ``associative_scan(combine_fn, xs, additional_inputs, combine_mode)``:
+the inclusive scan along dim 0 of the flat leaves ``xs``, where
+``combine_fn(*lhs, *rhs, *additional_inputs) -> (*out)`` combines one slice of
+each leaf (``"generic"``: the op vmaps it over a batch of pairs) or a batch of
+pairs at once (``"pointwise"``: called on the batch directly). Rules in hop's
+fixed order: dense, autograd, grad / jvp, vmap, functionalize, fake, proxy.
+
+Note [parallel prefix]
+The dense rule computes the scan in O(log n) depth with the odd/even recursion
+(Ladner and Fischer 1980; Blelloch 1990), every step one batched call of
+``combine_fn`` on slices of the inputs::
+
+    x      = [a, b, c, d, e]
+    pairs  = [a.b, c.d]                      combine x[0::2] with x[1::2] (n // 2 pairs)
+    odds   = scan(pairs) = [a.b, a.b.c.d]    the results at positions 1, 3, ...
+    evens  = [a] + [a.b.c, a.b.c.d.e]        odds[j - 1] combined with x[2j] for j >= 1
+    result = interleave(evens, odds) = [a, a.b, a.b.c, a.b.c.d, a.b.c.d.e]
+
+Each level halves the length and makes at most two calls, so there are at most
+2 ceil(log2 n) calls and fewer than 2n combinations: the same result as the
+sequential scan for an associative ``combine_fn``. Every transform runs this
+algorithm at its own level (autograd and torch.func differentiate the slices,
+calls and concatenations; vmap batches them), so only tracing keeps one node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._C import DispatchKey
+from torch._C._functorch import TransformType, _add_batch_dim
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+
+from hop import _subgraph, _transforms
+from hop._operator import HigherOrderOperator
+from hop._transforms import is_dynamo_compiling, outside_dynamo
+from hop.errors import HopTypeError, HopValueError, format_message
+from hop.ops import _looping as lp
+from hop.ops._branching import as_tuple
+from hop.ops.scan import SCAN
+
+__all__ = ["associative_scan", "associative_scan_op"]
+
+Fn = Callable[..., Any]
+_NAME = "associative_scan"
+_MODES = ("pointwise", "generic")
+
+
+def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, combine_mode: str = "pointwise") -> Any:
+    """Inclusive scan of ``xs`` along ``dim`` with an associative ``combine_fn``.
+
+    Equivalent Python (for an associative ``combine_fn``)::
+
+        def reference_associative_scan(combine_fn, xs, dim, reverse=False, combine_mode="pointwise"):
+            n = tree_leaves(xs)[0].shape[dim]
+            out = [None] * n
+            for k, i in enumerate(reversed(range(n)) if reverse else range(n)):
+                x = tree_map(lambda leaf: leaf.select(dim, i), xs)
+                out[i] = x if k == 0 else combine_fn(out[i + 1 if reverse else i - 1], x)
+            return tree_map(lambda *col: torch.stack(col, dim), *out)
+
+    Args:
+        combine_fn: ``(lhs, rhs) -> out``, three pytrees of the structure of ``xs``
+            (and the dtypes and shapes of ``lhs``); must be associative.
+        xs: a pytree of tensors, all of the same length along ``dim``.
+        dim: the dimension to scan along.
+        reverse: scan from the last slice to the first (``combine_fn`` still gets
+            the running result first), as ``torch.flip``, scan, ``torch.flip``.
+        combine_mode: ``"pointwise"``: ``combine_fn`` uses only elementwise ops and
+            is called on batches of slices at once (fast, any device);
+            ``"generic"``: any function of one slice each, vmapped over the batch.
+
+    The scan runs in O(log n) steps (Note [parallel prefix]) in eager and under
+    every transform (autograd, ``torch.func``, vmap); make_fx and torch.export keep
+    one ``torch.ops.hop.associative_scan`` node.
+    """
+    if is_dynamo_compiling():
+        return outside_dynamo(associative_scan, combine_fn, xs, dim, reverse, combine_mode)
+    lp.check_callable(_NAME, "combine_fn", combine_fn)
+    if combine_mode not in _MODES:
+        raise HopValueError(
+            format_message(_NAME, f'combine_mode must be "pointwise" or "generic", got {combine_mode!r}'),
+            op=_NAME,
+            role="combine_mode",
+        )
+    if type(reverse) is not bool:
+        raise HopTypeError(
+            format_message(_NAME, f"reverse must be a bool, got {type(reverse).__name__}"), op=_NAME, role="reverse"
+        )
+    leaves, spec = lp.flatten(xs)
+    dims, n = lp.check_xs(_NAME, xs, leaves, dim)
+    moved = [x.movedim(d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
+    moved = [x.flip(0) for x in moved] if reverse else moved
+    body = _flat_body(combine_fn, spec, xs)
+    if lp.runs_inline(n, leaves):
+        out = associative_scan_dense(body, moved, (), combine_mode)
+    else:
+        body, lifted = lp.lift_closures(body, lambda: [*lp.examples((), moved, ()), *lp.examples((), moved, ())])
+        out = associative_scan_op(body, tuple(moved), tuple(lifted), combine_mode)
+    out = [o.flip(0) for o in as_tuple(out)] if reverse else as_tuple(out)
+    return lp.unflatten([o.movedim(0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
+
+
+def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
+    """``combine_fn`` on flat leaves, checking that it returns what it was given."""
+    n = spec.num_leaves
+
+    def body(*leaves: Any) -> tuple[Any, ...]:
+        lhs = lp.unflatten(leaves[:n], spec)
+        out = combine_fn(lhs, lp.unflatten(leaves[n : 2 * n], spec))
+        return tuple(lp.check_like(_NAME, "combine_fn", combine_fn, lhs, out, "output", "xs and the output"))
+
+    body.__qualname__ = getattr(combine_fn, "__qualname__", type(combine_fn).__qualname__)
+    body.__wrapped__ = combine_fn  # type: ignore[attr-defined]
+    return body
+
+
+associative_scan_op = HigherOrderOperator("associative_scan")
+
+
+def _prefix_scan(combine: Fn, elems: Sequence[torch.Tensor], additional: Sequence[Any]) -> list[torch.Tensor]:
+    """Note [parallel prefix]: the inclusive scan of ``elems`` along dim 0."""
+    n = elems[0].shape[0]
+    if n < 2:
+        return list(elems)
+    pairs = as_tuple(combine(*[e[0 : n - 1 : 2] for e in elems], *[e[1::2] for e in elems], *additional))
+    odds = _prefix_scan(combine, pairs, additional)
+    if n > 2:
+        rest = as_tuple(combine(*[o[: (n - 1) // 2] for o in odds], *[e[2::2] for e in elems], *additional))
+        evens = [torch.cat([e[:1], r]) for e, r in zip(elems, rest, strict=True)]
+    else:
+        evens = [e[:1] for e in elems]
+    return [_interleave(ev, od) for ev, od in zip(evens, odds, strict=True)]
+
+
+def _interleave(evens: torch.Tensor, odds: torch.Tensor) -> torch.Tensor:
+    """``[e0, o0, e1, o1, ...]`` (``evens`` may have one more element)."""
+    m = odds.shape[0]
+    both = torch.stack([evens[:m], odds], dim=1).flatten(0, 1)
+    return both if evens.shape[0] == m else torch.cat([both, evens[m:]])
+
+
+@associative_scan_op.py_impl(DispatchKey.CompositeExplicitAutograd)
+def associative_scan_dense(
+    combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
+) -> Any:
+    nx = len(xs)
+    combine = combine_fn
+    if combine_mode == "generic":
+        combine = torch.vmap(combine_fn, in_dims=(*[0] * (2 * nx), *[None] * len(additional_inputs)))
+    out = _prefix_scan(combine, xs, additional_inputs)
+    return lp.pack(lp.no_alias(out, [*xs, *additional_inputs]))
+
+
+@associative_scan_op.py_autograd_impl
+def associative_scan_autograd(
+    combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
+) -> Any:
+    """Real tensors: autograd records the algorithm's own ops (Note [parallel prefix]).
+    Traced ones: one node, differentiated as the sequential scan it equals."""
+    if lp.runs_inline(xs[0].shape[0], xs, additional_inputs):
+        return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
+    return _Function.apply(combine_fn, combine_mode, len(xs), *xs, *additional_inputs)  # type: ignore[no-untyped-call]
+
+
+@associative_scan_op.py_impl(TransformType.Grad)
+def associative_scan_grad(
+    interpreter: Any, combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
+) -> Any:
+    return _transform(interpreter, combine_fn, xs, additional_inputs, combine_mode)
+
+
+@associative_scan_op.py_impl(TransformType.Jvp)
+def associative_scan_jvp(
+    interpreter: Any, combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
+) -> Any:
+    return _transform(interpreter, combine_fn, xs, additional_inputs, combine_mode)
+
+
+def _transform(interpreter: Any, combine_fn: Fn, xs: Sequence[Any], additional: Sequence[Any], mode: str) -> Any:
+    """As autograd, with the closed-over tensors the transform tracks made explicit inputs."""
+    if not lp.runs_inline(xs[0].shape[0], xs, additional):
+        combine_fn, extra = lp.lift_transform_closures(combine_fn, interpreter.level())
+        additional = (*additional, *extra)
+    return associative_scan_autograd(combine_fn, xs, additional, mode)
+
+
+@associative_scan_op.py_impl(TransformType.Vmap)
+def associative_scan_vmap(
+    interpreter: Any, combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
+) -> Any:
+    """Inline for real tensors; else the op one level down on the vmapped (generic) ``combine_fn``,
+    every leaf of ``xs`` batched at dim 1."""
+    if lp.runs_inline(xs[0].shape[0], xs, additional_inputs):
+        return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
+    level = interpreter.level()
+    xs_u, xs_d = _transforms.unwrap_batched(xs, level)
+    add_u, add_d = _transforms.unwrap_batched(additional_inputs, level)
+    if all(d is None for d in (*xs_d, *add_d)):
+        with interpreter.lower():
+            return associative_scan_op(combine_fn, xs_u, add_u, combine_mode)
+    size = interpreter.batch_size()
+    xs_b = [
+        v.unsqueeze(1).expand(v.shape[0], size, *v.shape[1:]) if d is None else v.movedim(d, 1)
+        for v, d in zip(xs_u, xs_d, strict=True)
+    ]
+    in_dims = (*[0] * (2 * len(xs)), *add_d)
+    batched = torch.vmap(combine_fn, in_dims=in_dims, randomness=interpreter.randomness())
+    with interpreter.lower():
+        out = as_tuple(associative_scan_op(batched, tuple(xs_b), tuple(add_u), "generic"))
+    return lp.pack([_add_batch_dim(o, 1, level) for o in out])
+
+
+@associative_scan_op.py_functionalize_impl
+def associative_scan_functionalize(
+    ctx: Any, combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
+) -> Any:
+    xs_u, add_u = ctx.unwrap_tensors(list(xs)), ctx.unwrap_tensors(list(additional_inputs))
+    with ctx.redispatch_to_next():
+        out = associative_scan_op(ctx.functionalize(combine_fn), tuple(xs_u), tuple(add_u), combine_mode)
+    return ctx.wrap_tensors(out)
+
+
+@associative_scan_op.py_impl(FakeTensorMode)
+def associative_scan_fake(
+    mode: FakeTensorMode, combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
+) -> Any:
+    """Outputs shaped like ``xs``, after checking ``combine_fn`` on one pair of fake slices."""
+    with mode:
+        slices = lp.empty_slices(xs, [0] * len(xs))
+        out = as_tuple(combine_fn(*slices, *lp.empty_slices(xs, [0] * len(xs)), *additional_inputs))
+        lp.check_like(_NAME, "combine_fn", combine_fn, slices, list(out), "output", "xs and the output")
+        return lp.pack([torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs])
+
+
+@associative_scan_op.py_impl(ProxyTorchDispatchMode)
+def associative_scan_proxy(
+    mode: ProxyTorchDispatchMode,
+    combine_fn: Fn,
+    xs: Sequence[Any],
+    additional_inputs: Sequence[Any],
+    combine_mode: str,
+) -> Any:
+    examples = [*lp.empty_slices(xs, [0] * len(xs)), *lp.empty_slices(xs, [0] * len(xs)), *additional_inputs]
+    (gm,), lifted = _subgraph.trace_branches([combine_fn], examples)
+    lp.check_effects(_NAME, "combine_fn", combine_fn, gm)
+    all_additional = (*additional_inputs, *lifted)
+    out = associative_scan_op(gm, tuple(xs), all_additional, combine_mode)  # reaches the fake rule
+    return _subgraph.emit(mode, associative_scan_op, (gm, tuple(xs), all_additional, combine_mode), out)
+
+
+def _sequential(combine_fn: Fn) -> Fn:
+    """The step of the sequential scan that equals the associative one: ``(*carry, *x, *additional)
+    -> (*out, *out)`` with ``out = combine_fn(carry, x)``."""
+
+    def step(*args: Any) -> tuple[Any, ...]:
+        out = as_tuple(combine_fn(*args))
+        return (*out, *(o.clone() for o in out))
+
+    return step
+
+
+class _Function(torch.autograd.Function):
+    """An associative scan of traced values as one autograd node. Its derivatives are those of
+    the sequential scan ``out[0] = xs[0]``, ``out[t] = combine_fn(out[t - 1], xs[t])``: a reverse
+    ``hop.scan`` of the vjp of ``combine_fn`` and a ``hop.scan`` of its jvp (``_looping``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(combine_fn: Fn, combine_mode: str, nx: int, *operands: Any) -> Any:
+        return associative_scan_op(combine_fn, tuple(operands[:nx]), tuple(operands[nx:]), combine_mode)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.combine_fn, _, ctx.nx, *operands = inputs
+        lp.save_operands(ctx, operands)
+
+    @staticmethod
+    def _split(ctx: Any) -> tuple[list[Any], list[Any], list[Any], list[bool]]:
+        operands = lp.saved_operands(ctx)
+        xs, additional = operands[: ctx.nx], operands[ctx.nx :]
+        return xs, [x.select(0, 0) for x in xs], additional, [lp.differentiable(x) for x in xs]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        xs, init, additional, diff = _Function._split(ctx)
+        nx = len(xs)
+        g_ys = [g[1:] if d else None for g, d in zip(grads, diff, strict=True)]
+        zeros = [torch.zeros_like(i) if d else None for i, d in zip(init, diff, strict=True)]
+        rest = [x[1:] for x in xs]
+        g = lp.scan_vjp(_sequential(ctx.combine_fn), init, rest, additional, False, (*zeros, *g_ys), diff * 2)
+        g_xs = [
+            None if gi is None else torch.cat([(gi + g0[0]).unsqueeze(0), gr])
+            for gi, gr, g0 in zip(g[:nx], g[nx : 2 * nx], grads, strict=True)
+        ]
+        return (None, None, None, *g_xs, *g[2 * nx :])
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        xs, init, additional, diff = _Function._split(ctx)
+        nx = len(xs)
+        t_xs = [torch.zeros_like(x) if t is None else t for x, t in zip(xs, tangents[3 : 3 + nx], strict=True)]
+        t_in = [*(t.select(0, 0) for t in t_xs), *(t[1:] for t in t_xs), *tangents[3 + nx :]]
+        rest = [x[1:] for x in xs]
+        out = as_tuple(
+            lp.scan_jvp(SCAN.call, _sequential(ctx.combine_fn), init, rest, additional, False, t_in, diff * 2)
+        )
+        return lp.pack([None if t is None else torch.cat([t0[:1], t]) for t0, t in zip(t_xs, out[nx:], strict=True)])

@@ -1,0 +1,156 @@
+"""``hop.map`` and its raw op ``torch.ops.hop.map``.
+
+The raw op is ``map(body, xs, additional_inputs)``: a scan without carry over
+dim 0 of flat leaves (see ``_looping``). Its rules are map's registrations of
+the shared looping rules, in hop's fixed order: dense, autograd, grad / jvp,
+vmap, functionalize, fake, proxy; its derivatives are scans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._C import DispatchKey
+from torch._C._functorch import TransformType
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+
+from hop._operator import HigherOrderOperator
+from hop._transforms import is_dynamo_compiling, outside_dynamo
+from hop.ops import _looping as lp
+from hop.ops._branching import as_tuple
+
+__all__ = ["map", "map_op"]
+
+Fn = Callable[..., Any]
+
+
+def map(f: Fn, xs: Any, *args: Any) -> Any:
+    """Stack ``f(x, *args)`` over dim 0 of every leaf of ``xs``.
+
+    Equivalent Python::
+
+        def reference_map(f, xs, *args):
+            n = tree_leaves(xs)[0].shape[0]
+            ys = [f(tree_map(lambda leaf: leaf[i], xs), *args) for i in range(n)]
+            return tree_map(lambda *col: torch.stack(col), *ys)
+
+    Args:
+        f: ``(x, *args) -> y``, ``y`` a pytree of tensors of the same structure,
+            dtypes and shapes for every slice.
+        xs: a pytree of tensors, all of the same length along dim 0.
+        args: pytrees of tensors and ints, passed unchanged to every call.
+
+    A map over a dimension of length 0 returns empty tensors (their shapes found
+    by running ``f`` once on fake tensors). Transforms as ``hop.scan``: eager runs
+    the Python loop; autograd, ``torch.func`` and vmap (also ``vmap`` of ``map`` and
+    ``map`` inside ``vmap``) differentiate and batch it; make_fx and torch.export
+    keep one ``torch.ops.hop.map`` node.
+    """
+    if is_dynamo_compiling():
+        return outside_dynamo(map, f, xs, *args)
+    lp.check_callable("map", "f", f)
+    xs_leaves, xs_spec = lp.flatten(xs)
+    arg_leaves, args_spec = lp.flatten(args)
+    dims, n = lp.check_xs("map", xs, xs_leaves, 0)
+    lp.check_leaves("map", "args", args, arg_leaves, ints=True)
+    if lp.runs_inline(n, xs_leaves, arg_leaves):
+        if n == 0:
+            return _empty_map(f, xs_leaves, xs_spec, arg_leaves, args_spec)
+        items = lp.slices(xs, xs_leaves, xs_spec, dims)
+        return lp.stack_ys(MAP, f, [f(x, *args) for x in items], 0, "output")
+    body, y_spec, passed = _flat_body(f, xs_spec, args_spec, arg_leaves)
+    body, lifted = lp.lift_closures(body, lambda: lp.examples((), xs_leaves, passed))
+    out = map_op(body, tuple(xs_leaves), (*passed, *lifted))
+    return lp.unflatten(as_tuple(out), y_spec[0])
+
+
+def _empty_map(f: Fn, xs_leaves: list[Any], xs_spec: Any, arg_leaves: list[Any], args_spec: Any) -> Any:
+    """Length 0: empty outputs, shaped by running ``f`` once on fake tensors."""
+    body, y_spec, passed = _flat_body(f, xs_spec, args_spec, arg_leaves)
+
+    def run(fake: list[Any]) -> list[Any]:
+        out = body(*lp.empty_slices(xs_leaves, [0] * len(xs_leaves)), *fake)
+        return [(y.shape, y.dtype, y.device) for y in out]
+
+    metas = lp.on_fake(MAP, f, passed, run)
+    return lp.unflatten([torch.empty((0, *s), dtype=d, device=dev) for s, d, dev in metas], y_spec[0])
+
+
+def _flat_body(f: Fn, xs_spec: Any, args_spec: Any, arg_leaves: list[Any]) -> tuple[Fn, list[Any], list[Any]]:
+    """``f`` on flat leaves, checking what it returns; the structure of its output (filled
+    by the first call) and the leaves of ``args`` it takes (Python ints are bound in it)."""
+    nx = xs_spec.num_leaves
+    y_spec: list[Any] = [None]
+    const = [type(a) is int for a in arg_leaves]
+
+    def body(*leaves: Any) -> tuple[Any, ...]:
+        passed = iter(leaves[nx:])
+        args = lp.unflatten([a if c else next(passed) for a, c in zip(arg_leaves, const, strict=True)], args_spec)
+        out = f(lp.unflatten(leaves[:nx], xs_spec), *args)
+        error = lp.ys_error(MAP, f, [out], 0, "output")
+        if error is not None:
+            raise error
+        y_leaves, y_spec[0] = lp.flatten(out)
+        return tuple(y_leaves)
+
+    body.__qualname__ = getattr(f, "__qualname__", type(f).__qualname__)
+    body.__wrapped__ = f  # type: ignore[attr-defined]
+    return body, y_spec, [a for a, c in zip(arg_leaves, const, strict=True) if not c]
+
+
+map_op = HigherOrderOperator("map")
+
+
+def _call(body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool) -> Any:
+    assert not init, "map has no carry"
+    return map_op(body, tuple(xs), tuple(additional))
+
+
+def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: tuple[Any, ...], r: bool) -> Any:
+    return (gm, xs, additional)
+
+
+MAP = lp.Looping(name="map", op=map_op, role="f", call=_call, node_args=_node_args)
+
+
+@map_op.py_impl(DispatchKey.CompositeExplicitAutograd)
+def map_dense(body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+    return lp.dense(MAP, body, (), xs, additional_inputs, False)
+
+
+@map_op.py_autograd_impl
+def map_autograd(body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+    return lp.autograd(MAP, body, (), xs, additional_inputs, False)
+
+
+@map_op.py_impl(TransformType.Grad)
+def map_grad(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+    return lp.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
+
+
+@map_op.py_impl(TransformType.Jvp)
+def map_jvp(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+    return lp.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
+
+
+@map_op.py_impl(TransformType.Vmap)
+def map_vmap(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+    return lp.vmap(MAP, interpreter, body, (), xs, additional_inputs, False)
+
+
+@map_op.py_functionalize_impl
+def map_functionalize(ctx: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+    return lp.functionalize(MAP, ctx, body, (), xs, additional_inputs, False)
+
+
+@map_op.py_impl(FakeTensorMode)
+def map_fake(mode: FakeTensorMode, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+    return lp.fake(MAP, mode, body, (), xs, additional_inputs, False)
+
+
+@map_op.py_impl(ProxyTorchDispatchMode)
+def map_proxy(mode: ProxyTorchDispatchMode, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+    return lp.proxy(MAP, mode, body, (), xs, additional_inputs, False)

@@ -1,0 +1,234 @@
+"""``hop.scan`` and its raw op ``torch.ops.hop.scan``.
+
+The raw op is ``scan(body, init, xs, additional_inputs, reverse)`` over dim 0 of
+flat leaves (see ``_looping``); rules are scan's registrations of the shared
+looping rules, in hop's fixed order: dense, autograd, grad / jvp, vmap,
+functionalize, fake, proxy.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._C import DispatchKey
+from torch._C._functorch import TransformType
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+
+from hop._operator import HigherOrderOperator
+from hop._transforms import is_dynamo_compiling, outside_dynamo
+from hop.errors import HopTypeError, format_message
+from hop.ops import _looping as lp
+from hop.ops._branching import as_tuple
+
+__all__ = ["scan", "scan_op"]
+
+Fn = Callable[..., Any]
+_PAIR = (tuple, list)
+
+
+def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = False) -> tuple[Any, Any]:
+    """Scan ``combine_fn`` over slices of ``xs`` along ``dim``, threading a carry.
+
+    Equivalent Python::
+
+        def reference_scan(combine_fn, init, xs, *, dim=0, reverse=False):
+            n = tree_leaves(xs)[0].shape[dim]
+            carry, ys = init, [None] * n
+            for i in reversed(range(n)) if reverse else range(n):
+                x = tree_map(lambda leaf: leaf.select(dim, i), xs)
+                carry, ys[i] = combine_fn(carry, x)
+            return carry, tree_map(lambda *col: torch.stack(col, dim), *ys)
+
+    Args:
+        combine_fn: ``(carry, x) -> (next_carry, y)``; ``next_carry`` has the
+            structure, dtypes, devices and shapes of ``init``; ``y`` is a pytree
+            of tensors (or ``None``) of the same structure, dtypes and shapes in
+            every iteration.
+        init: a pytree of tensors (``()`` or ``None`` for no carry).
+        xs: a pytree of tensors, all of the same length along ``dim``.
+        dim: the dimension of ``xs`` to scan over, and of ``ys`` to stack along
+            (negative values count from the end of each tensor).
+        reverse: scan from the last slice to the first; ``ys[i]`` still comes from
+            ``xs[i]``.
+
+    Returns:
+        ``(final_carry, ys)``. A scan over a dimension of length 0 returns ``init``
+        (cloned) and empty ``ys`` (their shapes found by running ``combine_fn``
+        once on fake tensors). Outputs never alias the inputs.
+
+    Eager calls run the Python loop directly (checked on the first iteration).
+    Autograd, ``torch.func`` (grad, vjp, jvp, jacrev, jacfwd) and vmap differentiate
+    and batch that loop; make_fx and torch.export keep one ``torch.ops.hop.scan``
+    node (the scanned length may be dynamic), differentiated by scans of the
+    vjp / jvp of ``combine_fn``.
+    """
+    if is_dynamo_compiling():
+        result: tuple[Any, Any] = outside_dynamo(
+            functools.partial(scan, dim=dim, reverse=reverse), combine_fn, init, xs
+        )
+        return result
+    lp.check_callable("scan", "combine_fn", combine_fn)
+    if type(reverse) is not bool:
+        raise HopTypeError(
+            format_message("scan", f"reverse must be a bool, got {type(reverse).__name__}"), op="scan", role="reverse"
+        )
+    init_leaves, init_spec = lp.flatten(init)
+    xs_leaves, xs_spec = lp.flatten(xs)
+    lp.check_leaves("scan", "init", init, init_leaves)
+    dims, n = lp.check_xs("scan", xs, xs_leaves, dim)
+    if lp.runs_inline(n, init_leaves, xs_leaves):
+        return _scan_inline(combine_fn, init, xs, xs_leaves, xs_spec, dims, dim, n, reverse)
+    body, y_spec = _flat_body(combine_fn, init_spec, xs_spec, dim)
+    moved = tuple(x.movedim(d, 0) if d else x for x, d in zip(xs_leaves, dims, strict=True))
+    body, lifted = lp.lift_closures(body, lambda: lp.examples(init_leaves, moved, ()))
+    out = as_tuple(scan_op(body, tuple(init_leaves), moved, tuple(lifted), reverse))
+    k = len(init_leaves)
+    ys = [y.movedim(0, lp.stack_dim(dim, y.dim() - 1)) if dim else y for y in out[k:]]
+    return lp.unflatten(out[:k], init_spec), lp.unflatten(ys, y_spec[0])
+
+
+def _scan_inline(
+    combine_fn: Fn, init: Any, xs: Any, xs_leaves: list[Any], xs_spec: Any, dims: list[int], dim: int, n: int, r: bool
+) -> tuple[Any, Any]:
+    """The Python loop (Note [scans run inline]); the first iteration is checked."""
+    if n == 0:
+        return _empty_scan(combine_fn, init, xs_leaves, xs_spec, dims, dim)
+    items = lp.slices(xs, xs_leaves, xs_spec, dims)
+    order = iter(range(n - 1, -1, -1) if r else range(n))
+    ys: list[Any] = [None] * n
+    i = next(order)
+    out = combine_fn(init, items[i])
+    if type(out) not in _PAIR or len(out) != 2:
+        raise lp.not_a_pair(SCAN, combine_fn, out)
+    carry, ys[i] = out
+    leaves = lp.check_carry(SCAN, combine_fn, init, carry)
+    for i in order:
+        out = combine_fn(carry, items[i])
+        if type(out) not in _PAIR or len(out) != 2:
+            raise lp.not_a_pair(SCAN, combine_fn, out)
+        carry, ys[i] = out
+    if n > 1:  # the first iteration was checked; a later one may change the carry's structure
+        leaves = lp.check_carry(SCAN, combine_fn, init, carry)
+    init_leaves, init_spec = lp.flatten(init)
+    final = lp.unflatten(lp.no_alias(leaves, [*init_leaves, *xs_leaves]), init_spec)
+    return final, lp.stack_ys(SCAN, combine_fn, ys, dim, "y")
+
+
+def _empty_scan(
+    combine_fn: Fn, init: Any, xs_leaves: list[Any], xs_spec: Any, dims: list[int], dim: int
+) -> tuple[Any, Any]:
+    """Length 0: ``init`` (cloned) and empty ``ys``, shaped by running ``combine_fn`` once on fake tensors."""
+    init_leaves, init_spec = lp.flatten(init)
+
+    def run(fake: list[Any]) -> Any:
+        out = _flat_body(combine_fn, init_spec, xs_spec, dim)
+        flat = out[0](*fake, *lp.empty_slices(xs_leaves, dims))
+        return [(y.shape, y.dtype, y.device) for y in flat[len(fake) :]], out[1][0]
+
+    metas, spec = lp.on_fake(SCAN, combine_fn, init_leaves, run)
+    ys = []
+    for shape, dtype, device in metas:
+        at = lp.stack_dim(dim, len(shape))
+        ys.append(torch.empty((*shape[:at], 0, *shape[at:]), dtype=dtype, device=device))
+    return lp.unflatten([t.clone() for t in init_leaves], init_spec), lp.unflatten(ys, spec)
+
+
+def _flat_body(combine_fn: Fn, init_spec: Any, xs_spec: Any, dim: int) -> tuple[Fn, list[Any]]:
+    """``combine_fn`` on flat leaves, checking what it returns; the list receives the structure of y."""
+    nc = init_spec.num_leaves
+    y_spec: list[Any] = [None]
+
+    def body(*leaves: Any) -> tuple[Any, ...]:
+        carry = lp.unflatten(leaves[:nc], init_spec)
+        out = combine_fn(carry, lp.unflatten(leaves[nc:], xs_spec))
+        if type(out) not in _PAIR or len(out) != 2:
+            raise lp.not_a_pair(SCAN, combine_fn, out)
+        carry_leaves = lp.check_carry(SCAN, combine_fn, carry, out[0])
+        error = lp.ys_error(SCAN, combine_fn, [out[1]], dim, "y")
+        if error is not None:
+            raise error
+        y_leaves, y_spec[0] = lp.flatten(out[1])
+        return (*carry_leaves, *y_leaves)
+
+    body.__qualname__ = getattr(combine_fn, "__qualname__", type(combine_fn).__qualname__)
+    body.__wrapped__ = combine_fn  # type: ignore[attr-defined]
+    return body, y_spec
+
+
+scan_op = HigherOrderOperator("scan")
+
+
+def _call(body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool) -> Any:
+    return scan_op(body, tuple(init), tuple(xs), tuple(additional), reverse)
+
+
+def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: tuple[Any, ...], r: bool) -> Any:
+    return (gm, init, xs, additional, r)
+
+
+SCAN = lp.Looping(name="scan", op=scan_op, role="combine_fn", call=_call, node_args=_node_args)
+
+
+@scan_op.py_impl(DispatchKey.CompositeExplicitAutograd)
+def scan_dense(
+    body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
+) -> Any:
+    return lp.dense(SCAN, body, init, xs, additional_inputs, reverse)
+
+
+@scan_op.py_autograd_impl
+def scan_autograd(
+    body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
+) -> Any:
+    return lp.autograd(SCAN, body, init, xs, additional_inputs, reverse)
+
+
+@scan_op.py_impl(TransformType.Grad)
+def scan_grad(
+    interpreter: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
+) -> Any:
+    return lp.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
+
+
+@scan_op.py_impl(TransformType.Jvp)
+def scan_jvp(
+    interpreter: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
+) -> Any:
+    return lp.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
+
+
+@scan_op.py_impl(TransformType.Vmap)
+def scan_vmap(
+    interpreter: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
+) -> Any:
+    return lp.vmap(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
+
+
+@scan_op.py_functionalize_impl
+def scan_functionalize(
+    ctx: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
+) -> Any:
+    return lp.functionalize(SCAN, ctx, body, init, xs, additional_inputs, reverse)
+
+
+@scan_op.py_impl(FakeTensorMode)
+def scan_fake(
+    mode: FakeTensorMode, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], r: bool
+) -> Any:
+    return lp.fake(SCAN, mode, body, init, xs, additional_inputs, r)
+
+
+@scan_op.py_impl(ProxyTorchDispatchMode)
+def scan_proxy(
+    mode: ProxyTorchDispatchMode,
+    body: Fn,
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    additional_inputs: Sequence[Any],
+    reverse: bool,
+) -> Any:
+    return lp.proxy(SCAN, mode, body, init, xs, additional_inputs, reverse)
