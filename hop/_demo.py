@@ -2,7 +2,8 @@
 run eagerly, differentiated (reverse and forward mode), vmapped, exported with
 torch.export, saved, loaded and run again, with a short report.
 
-It grows as operators land: today hop.cond and hop.switch.
+It grows as operators land: hop.cond and hop.switch in the model, then a loop
+until convergence (hop.while_loop) and a recurrence (hop.scan).
 """
 
 from __future__ import annotations
@@ -101,12 +102,27 @@ def main() -> None:
         torch.testing.assert_close(loaded(v), model(v).detach())
     report.append(("save/load/run", f"{buffer.getbuffer().nbytes} bytes, matches eager at batch 3 and 7"))
 
+    # a loop until convergence (hop.while_loop) and a recurrence over a sequence (hop.scan)
+    target = torch.tensor(2.0)
+    (root,) = hop.while_loop(
+        lambda r: (r * r - target).abs() > 1e-6, lambda r: (0.5 * (r + target / r),), (torch.tensor(1.0),)
+    )
+    torch.testing.assert_close(root, target.sqrt())
+    cell = torch.nn.GRUCell(4, 4)
+    seq = torch.randn(5, 1, 4)
+    h, _ = hop.scan(lambda c, x: (cell(x, c), cell(x, c).sum()), torch.zeros(1, 4), seq)
+    ref_h = torch.zeros(1, 4)
+    for x_t in seq:
+        ref_h = cell(x_t, ref_h)
+    torch.testing.assert_close(h, ref_h)
+    report.append(("loops", f"while_loop: Newton sqrt(2) = {root.item():.6f}; scan: GRU over {len(seq)} steps matches"))
+
     p, small = torch.tensor(True), torch.randn(8)
     t_hop = _timed(lambda: hop.cond(p, torch.sin, torch.cos, (small,)))
     t_py = _timed(lambda: torch.sin(small) if p else torch.cos(small))
     report.append(("eager cost", f"hop.cond {t_hop:.1f} us vs Python if {t_py:.1f} us per call, no compile step"))
 
-    print("hop demo: a model with data-dependent control flow (hop.cond, hop.switch)")
+    print("hop demo: data-dependent control flow (hop.cond, hop.switch, hop.while_loop, hop.scan)")
     for step, result in report:
         print(f"  {step:<14} {result}")
     print("  operators at torch.ops.hop:", ", ".join(sorted(hop.registered_ops())))
