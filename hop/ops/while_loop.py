@@ -273,6 +273,13 @@ def _loop_is_concrete(carried: Sequence[Any], additional: Sequence[Any]) -> bool
     return _transforms.no_modes() and all(_transforms.is_real(x) for x in (*carried, *additional))
 
 
+def _inline_or_node(cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any]) -> Any:
+    """Autograd, grad and jvp: Note [loops run inline] when concrete, else one autograd node."""
+    if _loop_is_concrete(carried, additional):
+        return while_loop_dense(cond_fn, body_fn, carried, additional)
+    return _as_node(cond_fn, body_fn, carried, additional)
+
+
 # --- the raw op and its rules -----------------------------------------------------------------
 
 while_loop_op = HigherOrderOperator("while_loop")
@@ -288,27 +295,21 @@ def while_loop_dense(cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], ad
 def while_loop_autograd(
     cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
 ) -> Any:
-    if _loop_is_concrete(carried_inputs, additional_inputs):
-        return while_loop_dense(cond_fn, body_fn, carried_inputs, additional_inputs)
-    return _as_node(cond_fn, body_fn, carried_inputs, additional_inputs)
+    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs)
 
 
 @while_loop_op.py_impl(TransformType.Grad)
 def while_loop_grad(
     interpreter: Any, cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
 ) -> Any:
-    if _loop_is_concrete(carried_inputs, additional_inputs):
-        return while_loop_dense(cond_fn, body_fn, carried_inputs, additional_inputs)
-    return _as_node(cond_fn, body_fn, carried_inputs, additional_inputs)
+    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs)
 
 
 @while_loop_op.py_impl(TransformType.Jvp)
 def while_loop_jvp(
     interpreter: Any, cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
 ) -> Any:
-    if _loop_is_concrete(carried_inputs, additional_inputs):
-        return while_loop_dense(cond_fn, body_fn, carried_inputs, additional_inputs)
-    return _as_node(cond_fn, body_fn, carried_inputs, additional_inputs)
+    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs)
 
 
 @while_loop_op.py_impl(TransformType.Vmap)
