@@ -74,6 +74,7 @@ class _CheckpointedLoop(torch.autograd.Function):
         return out[0] if n == 1 else out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # first-order only: a second derivative raises
     def backward(ctx: Any, *grads: Any) -> Any:
         saved = ctx.saved_tensors
         closures, flat = list(saved[: ctx.n_closures]), iter(saved[ctx.n_closures :])

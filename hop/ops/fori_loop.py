@@ -40,8 +40,8 @@ def fori_loop(
             return val
 
     Args:
-        lower, upper: Python ints, SymInts or one-element integer tensors. With
-            tensor bounds ``i`` is a tensor, otherwise an int.
+        lower, upper: Python ints, SymInts or one-element integer tensors. When
+            either bound is a tensor ``i`` is a tensor, otherwise an int.
         body_fn: ``(i, val) -> val`` keeping the structure, dtype, device and rank
             of ``val``'s leaves.
         init_val: a pytree of tensors and ints.
@@ -70,6 +70,8 @@ def fori_loop(
                 val = body_fn(i, val)
             out, out_spec = _subgraph.flatten(val)
             return _subgraph.unflatten(_subgraph.clone_aliases(out, leaves), out_spec)
+    if isinstance(upper, torch.Tensor) and not isinstance(lower, torch.Tensor):
+        lower = torch.tensor(lower, dtype=upper.dtype, device=upper.device)  # the counter may be batched
     _, val = while_loop(lambda i, v: i < upper, lambda i, v: (i + 1, body_fn(i, v)), (lower, init_val))
     return val
 

@@ -31,7 +31,7 @@ from hop import _subgraph, _transforms
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import generalize_carries
-from hop.errors import HopRuntimeError, HopTypeError, HopValueError, format_message
+from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, format_message
 from hop.ops import _checkpoint
 from hop.ops._branching import as_tuple, like, no_alias
 
@@ -394,6 +394,7 @@ def while_loop_proxy(
         )
     (cond_graph, body_graph), lifted = _subgraph.trace_branches([cond_fn, body_fn], (*templates, *additional_inputs))
     _check_cond_graph(cond_graph, cond_fn)
+    _check_body_graph(body_graph, body_fn)
     extra = (*additional_inputs, *lifted)
     out = while_loop_op(cond_graph, body_graph, tuple(carried_inputs), extra)
     return _subgraph.emit(mode, while_loop_op, (cond_graph, body_graph, tuple(carried_inputs), extra), out)
@@ -423,6 +424,23 @@ def _ints_as_tensors(
         out = as_tuple(while_loop_op(cond_t, body_t, tuple(carried_t), tuple(additional)))
         result = as_ints(out)
     return result[0] if n == 1 else tuple(result)
+
+
+def _check_body_graph(gm: torch.fx.GraphModule, body_fn: Fn) -> None:
+    effects = _subgraph.find_mutations_and_aliases(gm)
+    if effects.mutated:
+        raise MutationError(
+            format_message(
+                _NAME,
+                f"body_fn ({_subgraph.describe_fn(body_fn)}) writes carry {effects.mutated[0]} in place; in-place "
+                "updates of carries run in eager but cannot be traced (make_fx, torch.export)",
+                fix="Return the new carry from body_fn instead of writing the old one.",
+            ),
+            op=_NAME,
+            role="body_fn",
+        )
+    if effects.aliased:
+        _subgraph.clone_aliased_outputs(gm, effects)
 
 
 def _check_cond_graph(gm: torch.fx.GraphModule, cond_fn: Fn) -> None:
@@ -456,7 +474,7 @@ class _LoopFunction(torch.autograd.Function):
             format_message(
                 _NAME,
                 "reverse mode through a traced while_loop (fake or traced tensors) is not supported",
-                fix="Differentiate it in eager (real tensors), or use hop.fori_loop with static bounds.",
+                fix="Differentiate it in eager (real tensors), or write the loop with hop.scan.",
             ),
             op=_NAME,
         )

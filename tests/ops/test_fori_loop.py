@@ -110,3 +110,10 @@ def test_errors() -> None:
         OutputMismatchError, match=r"^hop.fori_loop: init_val and body_fn disagree at val: dtype float32 vs float64"
     ):
         hop.fori_loop(0, 3, lambda i, v: v.double(), torch.zeros(2))
+
+
+def test_vmap_with_an_int_lower_and_a_batched_upper() -> None:
+    ns = torch.tensor([0, 2, 5])
+    out = torch.vmap(lambda n: hop.fori_loop(0, n, lambda i, v: v + i, torch.zeros(2)))(ns)
+    want = torch.stack([reference(0, int(n), lambda i, v: v + i, torch.zeros(2)) for n in ns])
+    torch.testing.assert_close(out, want)

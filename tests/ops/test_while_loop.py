@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hop
-from hop.errors import HopRuntimeError, HopTypeError, HopValueError, OutputMismatchError
+from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError
 from hop.ops import _checkpoint
 from hop.ops.while_loop import while_loop_op
 
@@ -381,3 +381,20 @@ def test_condition_must_be_one_bool() -> None:
         hop.while_loop(lambda v: v.sum(), lambda v: v + 1, (torch.ones(2),))
     with pytest.raises(HopTypeError, match=r"got a tensor of dtype bool and shape \(2,\)"):
         hop.while_loop(lambda v: v > 0, lambda v: v + 1, (torch.ones(2),))
+
+
+def test_traced_in_place_update_of_a_carry_is_refused() -> None:
+    def bump(v: torch.Tensor) -> tuple[torch.Tensor]:
+        v.add_(1)
+        return (v,)
+
+    with pytest.raises(MutationError, match=r"hop.while_loop: body_fn \(.*bump.*\) writes carry 0 in place"):
+        make_fx(lambda v: hop.while_loop(lambda a: a.sum() < 4, bump, (v,)))(torch.zeros(2))
+
+
+def test_checkpoint_is_first_order_only() -> None:
+    x = torch.tensor([0.5, 0.2], dtype=torch.float64, requires_grad=True)
+    y = hop.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v.sin()), (0, x), checkpoint=True)[1]
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"does not require grad|once_differentiable"):  # not a silent zero
+        g.sum().backward()
