@@ -36,7 +36,7 @@ from torch._C._functorch import TransformType, _add_batch_dim
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _subgraph, _transforms
+from hop import _reference, _subgraph, _transforms
 from hop._operator import HigherOrderOperator
 from hop._transforms import is_dynamo_compiling, outside_dynamo
 from hop.errors import HopTypeError, HopValueError, format_message
@@ -79,6 +79,8 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
     every transform (autograd, ``torch.func``, vmap); make_fx and torch.export keep
     one ``torch.ops.hop.associative_scan`` node.
     """
+    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
+        return _reference.reference_associative_scan(combine_fn, xs, dim, reverse, combine_mode)
     if is_dynamo_compiling():
         return outside_dynamo(associative_scan, combine_fn, xs, dim, reverse, combine_mode)
     lp.check_callable(_NAME, "combine_fn", combine_fn)

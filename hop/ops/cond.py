@@ -16,6 +16,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
+from hop import _reference
 from hop._operator import HigherOrderOperator
 from hop._transforms import functorch_level, is_dynamo_compiling, mode_stack_len, outside_dynamo, tf_mode_enabled
 from hop.errors import HopTypeError, HopValueError, format_message
@@ -54,6 +55,8 @@ def cond(
     (also with a batched ``pred``: both branches run and ``torch.where``
     selects) work; make_fx and torch.export keep one ``torch.ops.hop.cond`` node.
     """
+    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
+        return _reference.reference_cond(pred, true_fn, false_fn, operands)
     if is_dynamo_compiling():
         return outside_dynamo(cond, pred, true_fn, false_fn, operands)
     if type(pred) is bool:

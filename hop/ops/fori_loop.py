@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hop import _subgraph, _transforms
+from hop import _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop.errors import HopTypeError, format_message
 from hop.ops.while_loop import while_loop
@@ -46,6 +46,8 @@ def fori_loop(
             of ``val``'s leaves.
         init_val: a pytree of tensors and ints.
     """
+    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
+        return _reference.reference_fori_loop(lower, upper, body_fn, init_val)
     if _transforms.is_dynamo_compiling():
         return _transforms.outside_dynamo(fori_loop, lower, upper, body_fn, init_val)
     if not callable(body_fn):

@@ -17,6 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
+from hop import _reference
 from hop._operator import HigherOrderOperator
 from hop._transforms import is_dynamo_compiling, outside_dynamo
 from hop.ops import _looping as lp
@@ -49,6 +50,8 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
     ``map`` inside ``vmap``) differentiate and batch it; make_fx and torch.export
     keep one ``torch.ops.hop.map`` node.
     """
+    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
+        return _reference.reference_map(f, xs, *args)
     if is_dynamo_compiling():
         return outside_dynamo(map, f, xs, *args)
     lp.check_callable("map", "f", f)

@@ -18,6 +18,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
+from hop import _reference
 from hop._operator import HigherOrderOperator
 from hop._transforms import is_dynamo_compiling, outside_dynamo
 from hop.errors import HopTypeError, format_message
@@ -66,6 +67,8 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     node (the scanned length may be dynamic), differentiated by scans of the
     vjp / jvp of ``combine_fn``.
     """
+    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
+        return _reference.reference_scan(combine_fn, init, xs, dim=dim, reverse=reverse)
     if is_dynamo_compiling():
         result: tuple[Any, Any] = outside_dynamo(
             functools.partial(scan, dim=dim, reverse=reverse), combine_fn, init, xs

@@ -17,6 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
+from hop import _reference
 from hop._operator import HigherOrderOperator
 from hop._transforms import (
     functorch_level,
@@ -63,6 +64,8 @@ def switch(
     Transforms as ``hop.cond``; under vmap a batched index runs every branch and
     selects element-wise.
     """
+    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
+        return _reference.reference_switch(index, branches, operands)
     if is_dynamo_compiling():
         return outside_dynamo(switch, index, branches, operands)
     if (

@@ -27,7 +27,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _subgraph, _transforms
+from hop import _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import generalize_carries
@@ -75,6 +75,8 @@ def while_loop(
     elements are frozen) work; make_fx and torch.export keep one
     ``torch.ops.hop.while_loop`` node, int carries becoming unbacked SymInts.
     """
+    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
+        return _reference.reference_while_loop(cond_fn, body_fn, carried_inputs)
     if _transforms.is_dynamo_compiling():
         return _transforms.outside_dynamo(
             lambda *a: while_loop(*a, checkpoint=checkpoint), cond_fn, body_fn, carried_inputs
