@@ -1,39 +1,114 @@
-"""Unification of output sizes across branches (DESIGN.md section 4).
+"""Unification of output sizes across branches and iterations (DESIGN.md section 4).
 
 When a hop operator's branches (or loop bodies) return outputs whose sizes
 differ, the operator's output needs one size that stands for all of them:
 
 - a dimension that is the same expression in every branch keeps it;
 - otherwise it gets a fresh unbacked SymInt whose value range is the union of the
-  branches' ranges. The symbol is created here, outside the branches'
+  branches' ranges. The symbol is created outside the branches'
   ``ignore_fresh_unbacked_symbols`` block, so ``track_tensor_tree`` binds it to the
-  operator's node (``unbacked_bindings``); its range is stated with
-  ``torch._check`` so the exported program asserts it at run time.
+  operator's node (``unbacked_bindings``).
 
-Int / SymInt leaves are unified the same way.
+Note [relations are kept]: a :class:`Unifier` makes one fresh symbol per distinct
+tuple of per-branch expressions, so outputs that have equal sizes in every branch
+share it (``a + b`` after the operator needs no ``Eq`` assert). A tuple that is an
+integer affine image ``a * t + b`` of an earlier one (``cat([m, m])`` next to
+``m``) becomes ``a * s + b`` of that tuple's symbol. Both are exact (the branches
+compute them), so neither is asserted at run time.
+
+Note [hop asserts its ranges]: what is *assumed* about a fresh symbol is its
+range. The range is given to the ShapeEnv without a deferred assert; instead the
+proxy rule records :func:`assert_ranges` nodes after the operator's node, whose
+messages name the operator and the output. torch's runtime-assert pass sees them
+as user asserts and adds no generic duplicate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+import dataclasses
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
 from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
+from hop import _subgraph
 from hop.errors import OutputMismatchError, format_message
 
-__all__ = ["merge_leaves", "generalize_carries", "run_in_subgraph", "rebind_sizes"]
+__all__ = [
+    "Fresh",
+    "Unifier",
+    "assert_ranges",
+    "assume_range",
+    "carry_ranges",
+    "generalize_carries",
+    "recording",
+    "run_in_subgraph",
+    "per_step_sizes",
+    "rebind_sizes",
+    "fresh_symint",
+]
 
-_check: Callable[[Any], None] = torch._check  # untyped in torch
+
+# --- fresh symbols and their ranges -------------------------------------------------------------
 
 
-def _same(values: Sequence[Any]) -> bool:
-    first = values[0]
-    return all(v is first or statically_known_true(v == first) for v in values[1:])
+@dataclasses.dataclass(frozen=True)
+class Fresh:
+    """A symbol hop made for an operator's output and the range assumed for it
+    (``None``: unbounded on that side)."""
+
+    expr: sympy.Symbol
+    low: int | None
+    high: int | None
+
+
+_RECORDING: list[list[Fresh]] = []
+
+
+@contextmanager
+def recording() -> Iterator[list[Fresh]]:
+    """Collect the symbols :func:`fresh_symint` makes inside the block (the proxy
+    rule wraps its call of the fake rule in it, then asserts their ranges)."""
+    made: list[Fresh] = []
+    _RECORDING.append(made)
+    try:
+        yield made
+    finally:
+        _RECORDING.pop()
+
+
+def _finite(v: Any) -> int | None:
+    return None if v in (int_oo, -int_oo, sympy.oo, -sympy.oo) else int(v)
+
+
+def fresh_symint(shape_env: ShapeEnv, low: Any, high: Any, *, size: bool) -> torch.SymInt:
+    """A new unbacked SymInt assumed to lie in ``[low, high]`` (see :func:`assume_range`)."""
+    sym = shape_env.create_unbacked_symint()
+    assume_range(sym, low, high, size=size)
+    return sym
+
+
+def assume_range(sym: torch.SymInt, low: Any, high: Any, *, size: bool) -> Fresh:
+    """Give the ShapeEnv the range ``[low, high]`` (sympy numbers, int_oo when
+    unbounded) of the unbacked ``sym``, without a deferred assert: the caller asserts
+    it with :func:`assert_ranges`. A ``size`` is at least 0 and size-like."""
+    shape_env, expr = sym.node.shape_env, sym.node.expr
+    lo, hi = _finite(low), _finite(high)
+    if size:
+        lo = max(lo or 0, 0)
+        shape_env._constrain_range_for_size(expr, lo, int_oo if hi is None else hi)
+    else:
+        shape_env.constrain_symbol_range(expr, -int_oo if lo is None else lo, int_oo if hi is None else hi)
+    fresh = Fresh(expr, lo, hi)
+    if _RECORDING:
+        _RECORDING[-1].append(fresh)
+    return fresh
 
 
 def _bounds(shape_env: ShapeEnv, value: Any) -> tuple[Any, Any]:
@@ -44,48 +119,121 @@ def _bounds(shape_env: ShapeEnv, value: Any) -> tuple[Any, Any]:
     return vr.lower, vr.upper
 
 
-def _fresh(shape_env: ShapeEnv, values: Sequence[Any], *, size: bool) -> torch.SymInt:
-    """A new unbacked SymInt whose range is the union of the ranges of ``values``."""
-    lows, highs = zip(*(_bounds(shape_env, v) for v in values), strict=True)
-    low, high = min(lows), max(highs)
-    sym = shape_env.create_unbacked_symint()
-    # torch's int_oo claims is_finite; compare against it instead
-    if size:
-        _check(sym >= (max(int(low), 0) if low != -int_oo else 0))
-    elif low != -int_oo:
-        _check(sym >= int(low))
-    if high != int_oo:
-        _check(sym <= int(high))
-    return sym
+def _expr(value: Any) -> sympy.Expr:
+    return sympy.Integer(value) if isinstance(value, int) else value.node.expr
 
 
-def merge_leaves(op: str, roles: Sequence[str], leaves: Sequence[Any], path: str, shape_env: ShapeEnv | None) -> Any:
-    """One leaf that stands for ``leaves`` (one per branch, same kind/dtype/rank).
+def _same(values: Sequence[Any]) -> bool:
+    first = values[0]
+    return all(v is first or statically_known_true(v == first) for v in values[1:])
 
-    Tensors keep every dimension that agrees across branches and get a fresh
-    unbacked symbol for every one that does not; ints likewise. Without a
-    ShapeEnv (plain fake or meta tensors) differing sizes cannot be represented
-    and raise :class:`OutputMismatchError`.
-    """
+
+# --- branches: one output for all of them -------------------------------------------------------
+
+
+class Unifier:
+    """Unifies the outputs of one operator call across its branches (Note [relations
+    are kept]). Without a ShapeEnv, differing sizes raise :class:`OutputMismatchError`."""
+
+    def __init__(self, op: str, roles: Sequence[str], shape_env: ShapeEnv | None) -> None:
+        self.op, self.roles, self.shape_env = op, roles, shape_env
+        self._made: dict[tuple[sympy.Expr, ...], Any] = {}
+        self._bases: list[tuple[tuple[sympy.Expr, ...], torch.SymInt]] = []
+
+    def outputs(self, outs: Sequence[Any], root: str = "output") -> Any:
+        """One pytree standing for ``outs`` (one per branch, already checked to agree
+        in structure, kinds, dtypes and ranks), shaped like ``outs[0]``."""
+        flat = [_subgraph.flatten(o)[0] for o in outs]
+        paths = _subgraph.leaf_paths(outs[0], root)
+        merged = [self.leaf(list(col), path) for path, col in zip(paths, zip(*flat, strict=True), strict=True)]
+        return _subgraph.unflatten(merged, _subgraph.flatten(outs[0])[1])
+
+    def leaf(self, leaves: Sequence[Any], path: str) -> Any:
+        first = leaves[0]
+        if isinstance(first, torch.Tensor):
+            if not all(_same([t.shape[d] for t in leaves]) for d in range(first.dim())):
+                self._need_shape_env(leaves, path)
+                shape = [self.size(list(col), size=True) for col in zip(*(t.shape for t in leaves), strict=True)]
+                return _empty_like(leaves, shape)
+            if all(_same(list(col)) for col in zip(*(t.stride() for t in leaves), strict=True)):
+                return first
+            return _empty_like(leaves, list(first.shape))
+        if isinstance(first, (int, torch.SymInt)) and not isinstance(first, bool):
+            if _same(list(leaves)):
+                return first
+            self._need_shape_env(leaves, path)
+            return self.size(list(leaves), size=False)
+        return first
+
+    def size(self, values: Sequence[Any], *, size: bool) -> Any:
+        """One int or SymInt for ``values`` (one per branch)."""
+        if _same(values):
+            return values[0]
+        assert self.shape_env is not None
+        key = tuple(_expr(v) for v in values)
+        found = self._made.get(key)
+        if found is None:
+            found = self._related(key)
+        if found is None:
+            lows, highs = zip(*(_bounds(self.shape_env, v) for v in values), strict=True)
+            found = fresh_symint(self.shape_env, min(lows), max(highs), size=size)
+            self._bases.append((key, found))
+        self._made[key] = found
+        return found
+
+    def _related(self, key: tuple[sympy.Expr, ...]) -> Any:
+        """``a * s + b`` when ``key`` is that image of an earlier fresh symbol's tuple."""
+        for base, sym in self._bases:
+            ab = _affine(key, base)
+            if ab is not None:
+                return ab[0] * sym + ab[1]
+        return None
+
+    def _need_shape_env(self, leaves: Sequence[Any], path: str) -> None:
+        if self.shape_env is None:
+            raise _cannot_merge(self.op, self.roles, leaves, path)
+
+
+def _affine(key: tuple[Any, ...], base: tuple[Any, ...]) -> tuple[int, int] | None:
+    """Integers ``(a, b)``, ``a != 0``, with ``key[i] == a * base[i] + b`` for every branch."""
+    try:
+        a: Any = sympy.cancel((key[0] - key[1]) / (base[0] - base[1]))
+        if not (a.is_Integer and a != 0):
+            return None
+        b = sympy.expand(key[0] - a * base[0])
+        if not b.is_Integer or any(sympy.expand(k - a * t - b) != 0 for k, t in zip(key, base, strict=True)):
+            return None
+        return int(a), int(b)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError):
+        return None
+
+
+def _empty_like(leaves: Sequence[torch.Tensor], shape: list[Any]) -> torch.Tensor:
+    """An empty tensor of ``shape`` laid out as the branches are: contiguous unless
+    every branch is dense in one other dimension order."""
     first = leaves[0]
-    if isinstance(first, torch.Tensor):
-        sizes = [t.shape for t in leaves]
-        if all(_same([s[d] for s in sizes]) for d in range(first.dim())):
-            return first
-        if shape_env is None:
-            raise _cannot_merge(op, roles, leaves, path)
-        shape = [
-            s0 if _same(col) else _fresh(shape_env, list(col), size=True)
-            for s0, col in zip(first.shape, zip(*sizes, strict=True), strict=True)
-        ]
+    orders = {_dense_order(t) for t in leaves}
+    order = orders.pop() if len(orders) == 1 else None
+    if order is None or order == tuple(range(first.dim())):
         return first.new_empty(shape)
-    if isinstance(first, (int, torch.SymInt)) and not isinstance(first, bool):
-        if _same(list(leaves)):
-            return first
-        if shape_env is None:
-            raise _cannot_merge(op, roles, leaves, path)
-        return _fresh(shape_env, list(leaves), size=False)
-    return first
+    return torch.empty_permuted(shape, order, dtype=first.dtype, device=first.device)
+
+
+def _dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The dimension order (outermost first) in which ``t`` is dense, if provably one."""
+    dims = list(range(t.dim()))
+    stride, shape = t.stride(), t.shape
+    for i in range(1, len(dims)):  # an insertion sort: only provable comparisons move a dim
+        j = i
+        while j > 0 and statically_known_true(stride[dims[j]] > stride[dims[j - 1]]):
+            dims[j - 1], dims[j] = dims[j], dims[j - 1]
+            j -= 1
+    expected: Any = 1
+    for d in reversed(dims):
+        if not (statically_known_true(shape[d] == 1) or statically_known_true(stride[d] == expected)):
+            return None
+        expected = expected * shape[d]
+    return tuple(dims)
 
 
 def _cannot_merge(op: str, roles: Sequence[str], leaves: Sequence[Any], path: str) -> OutputMismatchError:
@@ -102,6 +250,52 @@ def _cannot_merge(op: str, roles: Sequence[str], leaves: Sequence[Any], path: st
     )
 
 
+# --- runtime asserts ---------------------------------------------------------------------------
+
+
+def assert_ranges(
+    mode: Any,
+    op: str,
+    out: Any,
+    fresh: Sequence[Fresh],
+    *,
+    root: str = "output",
+    why: str = "the union of the branches' ranges",
+) -> None:
+    """Record, after the operator's node, an ``aten._assert_scalar`` for each bound of
+    each fresh symbol, read from the first output that carries it plainly (Note [hop
+    asserts its ranges])."""
+    if not fresh:
+        return
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    tracer, pending = mode.tracer, {f.expr: f for f in fresh}
+    leaves = _subgraph.flatten(out)[0]
+    for path, leaf in zip(_subgraph.leaf_paths(out, root), leaves, strict=True):
+        sizes = (
+            [(f"{path}.size({d})", s) for d, s in enumerate(leaf.shape)]
+            if isinstance(leaf, torch.Tensor)
+            else [(path, leaf)]
+        )
+        for where, s in sizes:
+            f = pending.pop(s.node.expr, None) if isinstance(s, torch.SymInt) else None
+            if f is None:
+                continue
+            sym: Any = s
+            value = get_proxy_slot(sym, tracer).force()
+            for bound, cmp, rel, word in ((f.low, operator.ge, sympy.Ge, ">="), (f.high, operator.le, sympy.Le, "<=")):
+                if bound is None:
+                    continue
+                test = tracer.create_proxy("call_function", cmp, (value, bound), {})
+                test.node.meta["val"] = sym.node.shape_env.create_symboolnode(rel(f.expr, bound))
+                msg = f"hop.{op}: {where} must be {word} {bound} ({why})"
+                check = tracer.create_proxy("call_function", torch.ops.aten._assert_scalar.default, (test, msg), {})
+                check.node.meta["_fx_runtime_assert_preserve"] = True
+
+
+# --- loops: carries that stand for every iteration ----------------------------------------------
+
+
 def generalize_carries(
     op: str,
     body_fn: Callable[..., Any],
@@ -113,22 +307,54 @@ def generalize_carries(
 ) -> tuple[Any, ...]:
     """Carries that stand for every iteration of a loop.
 
-    Runs ``body_fn`` on the carries (inside the caller's fake mode) until the set of
-    changing quantities stops growing: an int carry the body changes, a tensor
-    dimension whose size the body changes. Each becomes an unbacked SymInt (a size:
-    at least 0); what the body keeps is kept. With ``fresh``, the symbols are new
-    pending ones with their ranges asserted, for the operator's output; otherwise
-    they are made as ignored placeholders, to trace the body and condition with.
+    What the body changes (an int carry, a tensor dimension) becomes an unbacked
+    SymInt; what it keeps is kept. With ``fresh``, they are new pending symbols for
+    the operator's output, with the ranges :func:`_loop_ranges` derives; otherwise
+    ignored placeholders, to trace the body and condition with.
     """
+    generic, out, varying = _fixpoint(op, body_fn, carried, additional, shape_env)
+    if not fresh or shape_env is None or not any(varying):
+        return generic
+    ranges = _loop_ranges(shape_env, carried, generic, out, varying)
+    env = shape_env
+
+    def make(k: int) -> Callable[[Any, int], Any]:
+        return lambda c, d: fresh_symint(env, *ranges[k, d], size=isinstance(c, torch.Tensor))
+
+    return tuple(_generalize(c, v, make(k)) for k, (c, v) in enumerate(zip(carried, varying, strict=True)))
+
+
+def carry_ranges(
+    op: str, body_fn: Callable[..., Any], carried: tuple[Any, ...], additional: tuple[Any, ...], shape_env: ShapeEnv
+) -> list[tuple[Any, Any] | None]:
+    """For each int carry the body changes, the range of its final value; else None."""
+    generic, out, varying = _fixpoint(op, body_fn, carried, additional, shape_env)
+    ranges = _loop_ranges(shape_env, carried, generic, out, varying)
+    return [
+        ranges[k, 0] if v and not isinstance(c, torch.Tensor) else None
+        for k, (c, v) in enumerate(zip(carried, varying, strict=True))
+    ]
+
+
+def _fixpoint(
+    op: str,
+    body_fn: Callable[..., Any],
+    carried: tuple[Any, ...],
+    additional: tuple[Any, ...],
+    shape_env: ShapeEnv | None,
+) -> tuple[tuple[Any, ...], tuple[Any, ...], list[set[int]]]:
+    """Runs ``body_fn`` (inside the caller's fake mode) until the set of changing
+    quantities stops growing. Returns the generic carries (placeholders for what
+    changes), the body's output on them, and what changes per carry (dims of a
+    tensor, ``{0}`` for an int)."""
     from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
 
-    varying: list[set[int]] = [set() for _ in carried]  # dims (tensors) or {0} (ints)
-    current = carried
+    varying: list[set[int]] = [set() for _ in carried]
+    current, out = carried, carried
     for _ in range(8):
         ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else nullcontext()
         with ignore:
-            out = body_fn(*current, *additional)
-        out = out if isinstance(out, tuple) else (out,)
+            out = as_tuple(body_fn(*current, *additional))
         grew = False
         for k, (c, o) in enumerate(zip(current, out, strict=True)):
             new = _changes(c, o) - varying[k]
@@ -151,11 +377,14 @@ def generalize_carries(
             )
         with shape_env.ignore_fresh_unbacked_symbols():
             current = tuple(
-                _generalize(c, v, shape_env, _constrain_range_for_size) for c, v in zip(carried, varying, strict=True)
+                _generalize(c, v, lambda c, d: _placeholder(shape_env, c, _constrain_range_for_size))
+                for c, v in zip(carried, varying, strict=True)
             )
-    if not fresh or shape_env is None or not any(varying):
-        return current
-    return tuple(_generalize(c, v, shape_env, _check_size) for c, v in zip(carried, varying, strict=True))
+    return current, out, varying
+
+
+def as_tuple(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
 
 
 def _changes(c: Any, o: Any) -> set[int]:
@@ -164,20 +393,92 @@ def _changes(c: Any, o: Any) -> set[int]:
     return set() if _same([c, o]) else {0}
 
 
-def _generalize(c: Any, varying: set[int], shape_env: ShapeEnv, constrain: Callable[[Any], None]) -> Any:
+def _quantity(c: Any, d: int) -> Any:
+    return c.shape[d] if isinstance(c, torch.Tensor) else c
+
+
+def _placeholder(shape_env: ShapeEnv, c: Any, constrain: Callable[[Any], None]) -> Any:
+    sym = shape_env.create_unbacked_symint()
+    if isinstance(c, torch.Tensor):
+        constrain(sym)
+    return sym
+
+
+def _generalize(c: Any, varying: set[int], make: Callable[[Any, int], Any]) -> Any:
     if not varying:
         return c
     if not isinstance(c, torch.Tensor):
-        return shape_env.create_unbacked_symint()
+        return make(c, 0)
     shape: list[Any] = list(c.shape)
-    for d in varying:
-        shape[d] = shape_env.create_unbacked_symint()
-        constrain(shape[d])
+    for d in sorted(varying):
+        shape[d] = make(c, d)
     return c.new_empty(shape)
 
 
-def _check_size(sym: Any) -> None:
-    _check(sym >= 0)
+def _loop_ranges(
+    shape_env: ShapeEnv,
+    carried: tuple[Any, ...],
+    generic: tuple[Any, ...],
+    out: tuple[Any, ...],
+    varying: list[set[int]],
+) -> dict[tuple[int, int], tuple[Any, Any]]:
+    """The range of every changing quantity after any number of iterations.
+
+    An interval fixpoint with widening: start from the initial values' ranges, add
+    what one iteration makes of them (``out`` in terms of the ``generic``
+    placeholders), and let a bound that is still moving after a few rounds go to
+    infinity (0 below, for sizes).
+    """
+    keys = [(k, d) for k, v in enumerate(varying) for d in sorted(v)]
+    syms = {key: _quantity(generic[key[0]], key[1]).node.expr for key in keys}
+    ranges = {key: ValueRanges(*_bounds(shape_env, _quantity(carried[key[0]], key[1]))) for key in keys}
+    floor = {key: 0 if isinstance(carried[key[0]], torch.Tensor) else -int_oo for key in keys}
+    for round_ in range(4):
+        env = {**shape_env.var_to_range, **{syms[key]: ranges[key] for key in keys}}
+        step = {key: bound_sympy(_expr(_quantity(out[key[0]], key[1])), env) for key in keys}
+        grown = {key: ranges[key] | step[key] for key in keys}
+        if grown == ranges:
+            break
+        if round_ >= 2:  # widen what still moves
+            grown = {
+                key: ValueRanges(
+                    grown[key].lower if grown[key].lower == ranges[key].lower else floor[key],
+                    grown[key].upper if grown[key].upper == ranges[key].upper else int_oo,
+                )
+                for key in keys
+            }
+        ranges = grown
+    return {key: (max(r.lower, floor[key]) if floor[key] == 0 else r.lower, r.upper) for key, r in ranges.items()}
+
+
+# --- scans: sizes made inside the body ------------------------------------------------------------
+
+
+def per_step_sizes(gm: torch.fx.GraphModule, n_stepped: int, outputs: range) -> list[tuple[int, int, Any]]:
+    """``(output, dim, symbol)`` for every size of ``outputs`` (indices into ``gm``'s
+    flat outputs) that mentions an unbacked symbol ``gm`` computes from one of its
+    first ``n_stepped`` inputs (the carry and the slices, which change every step):
+    such a size may differ between steps, so the outputs cannot be stacked."""
+    tainted: set[torch.fx.Node] = set()
+    stepped_syms: set[Any] = set()
+    placeholders = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if placeholders < n_stepped:
+                tainted.add(node)
+            placeholders += 1
+        elif any(a in tainted for a in node.all_input_nodes):
+            tainted.add(node)
+            stepped_syms |= set(node.meta.get("unbacked_bindings") or ())
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = _subgraph.flatten(out_node.args[0])[0]
+    found: list[tuple[int, int, Any]] = []
+    for k in outputs:
+        val = flat[k].meta.get("val") if isinstance(flat[k], torch.fx.Node) else None
+        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            syms: set[Any] = size.node.expr.free_symbols & stepped_syms if isinstance(size, torch.SymInt) else set()
+            found.extend((k, d, sym) for sym in sorted(syms, key=str))
+    return found
 
 
 def run_in_subgraph(shape_env: ShapeEnv | None, fn: Callable[[], Any]) -> tuple[Any, set[Any]]:
@@ -198,7 +499,9 @@ def rebind_sizes(t: torch.Tensor, shape_env: ShapeEnv | None, local: set[Any]) -
     if shape_env is None or not local:
         return t
     shape = [
-        _fresh(shape_env, [s], size=True) if isinstance(s, torch.SymInt) and s.node.expr.free_symbols & local else s
+        fresh_symint(shape_env, *_bounds(shape_env, s), size=True)
+        if isinstance(s, torch.SymInt) and s.node.expr.free_symbols & local
+        else s
         for s in t.shape
     ]
     return t.new_empty(shape)

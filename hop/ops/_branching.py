@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hop import _subgraph, _transforms, config
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
-from hop._unbacked import merge_leaves
+from hop._unbacked import Unifier, assert_ranges, recording
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, format_message
 
 Fn = Callable[..., Any]
@@ -268,10 +268,8 @@ def _run_all_and_merge(b: Branching, branches: Sequence[Fn], operands: Sequence[
     outs = [as_tuple(r) for r in raw]
     roles = b.roles(len(branches))
     _subgraph.check_same_outputs(b.name, roles, outs, fns=branches)
-    merged = [
-        merge_leaves(b.name, roles, col, f"output[{i}]", shape_env) for i, col in enumerate(zip(*outs, strict=True))
-    ]
-    return like(raw[0], _subgraph.clone_aliases(merged, operands))
+    merged = Unifier(b.name, roles, shape_env).outputs(outs)
+    return like(raw[0], _subgraph.clone_aliases(list(merged), operands))
 
 
 def inline(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
@@ -491,8 +489,11 @@ def proxy(b: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: S
     for role, fn, gm in zip(roles, branches, graphs, strict=True):
         _check_effects(b, role, fn, gm)
     all_operands = (*operands, *lifted)
-    out = b.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
-    return _subgraph.emit(mode, b.op, _node_args(b, sel, graphs, all_operands), out)
+    with recording() as fresh:
+        out = b.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
+    result = _subgraph.emit(mode, b.op, _node_args(b, sel, graphs, all_operands), out)
+    assert_ranges(mode, b.name, result, fresh)
+    return result
 
 
 def _node_args(b: Branching, sel: Any, graphs: Sequence[Any], operands: tuple[Any, ...]) -> tuple[Any, ...]:

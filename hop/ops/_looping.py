@@ -35,7 +35,7 @@ from torch._C._functorch import _add_batch_dim
 from hop import _subgraph, _transforms, _validation
 from hop._dispatch import map_tensors
 from hop._operator import HigherOrderOperator
-from hop._unbacked import rebind_sizes, run_in_subgraph
+from hop._unbacked import assert_ranges, per_step_sizes, rebind_sizes, recording, run_in_subgraph
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError, format_message
 from hop.ops._branching import as_tuple
 
@@ -523,9 +523,39 @@ def fake(
             shape_env, lambda: as_tuple(body(*init, *empty_slices(xs, [0] * len(xs)), *additional))
         )
         check_carry(L, body, list(init), list(out[:nc]))
+        if any(isinstance(s, torch.SymInt) and s.node.expr.free_symbols & local for y in out[nc:] for s in y.shape):
+            _check_same_size_every_step(L, body, init, xs, additional, len(out))
         n = xs[0].shape[0]
         ys = [rebind_sizes(y.new_empty((n, *y.shape)), shape_env, local) for y in out[nc:]]
         return pack([*(torch.empty_like(c, memory_format=torch.contiguous_format) for c in init), *ys])
+
+
+def _check_same_size_every_step(
+    L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], n_out: int
+) -> None:
+    """Refuse ys whose size is computed from the carry or the slices: it may differ
+    between steps. A size computed from the other inputs alone is the same in every step."""
+    gm = body if isinstance(body, torch.fx.GraphModule) else None
+    gm = gm or _subgraph.trace_subgraph(body, examples(init, xs, additional))
+    found = per_step_sizes(gm, len(init) + len(xs), range(len(init), n_out))
+    if found:
+        k, d, sym = found[0]
+        path = f"ys[{k - len(init)}]"
+        raise HopValueError(
+            format_message(
+                L.name,
+                f"the size {d} of this output is data dependent ({sym}) and computed from the "
+                f"{'carry or the ' if init else ''}slice of xs, so it may differ between steps and the outputs "
+                "cannot be stacked",
+                role=L.role,
+                path=path,
+                fix="Pad to a fixed size (and return the length separately), or compute the size from tensors that "
+                "are not scanned.",
+            ),
+            op=L.name,
+            role=L.role,
+            path=path,
+        )
 
 
 def examples(init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> list[Any]:
@@ -541,8 +571,11 @@ def proxy(
     (gm,), lifted = _subgraph.trace_branches([body], examples(init, xs, additional))
     check_effects(L.name, L.role, body, gm)
     all_additional = (*additional, *lifted)
-    out = L.call(gm, init, xs, all_additional, reverse)  # the proxy mode is popped: this reaches the fake rule
-    return _subgraph.emit(mode, L.op, L.node_args(gm, tuple(init), tuple(xs), all_additional, reverse), out)
+    with recording() as fresh:
+        out = L.call(gm, init, xs, all_additional, reverse)  # the proxy mode is popped: this reaches the fake rule
+    result = _subgraph.emit(mode, L.op, L.node_args(gm, tuple(init), tuple(xs), all_additional, reverse), out)
+    assert_ranges(mode, L.name, result, fresh, why=f"the range {L.role} gives it")
+    return result
 
 
 def check_effects(name: str, role: str, fn: Fn, gm: torch.fx.GraphModule) -> None:

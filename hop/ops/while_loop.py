@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hop import _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
-from hop._unbacked import generalize_carries
+from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, format_message
 from hop.ops import _checkpoint
 from hop.ops._branching import as_tuple, like, no_alias
@@ -398,8 +398,11 @@ def while_loop_proxy(
     _check_cond_graph(cond_graph, cond_fn)
     _check_body_graph(body_graph, body_fn)
     extra = (*additional_inputs, *lifted)
-    out = while_loop_op(cond_graph, body_graph, tuple(carried_inputs), extra)
-    return _subgraph.emit(mode, while_loop_op, (cond_graph, body_graph, tuple(carried_inputs), extra), out)
+    with recording() as fresh:
+        out = while_loop_op(cond_graph, body_graph, tuple(carried_inputs), extra)
+    result = _subgraph.emit(mode, while_loop_op, (cond_graph, body_graph, tuple(carried_inputs), extra), out)
+    assert_ranges(mode, _NAME, as_tuple(result), fresh, root="carry", why=_DERIVED)
+    return result
 
 
 def _ints_as_tensors(
@@ -421,11 +424,24 @@ def _ints_as_tensors(
 
     cond_t.__wrapped__ = cond_fn  # type: ignore[attr-defined]
     body_t.__wrapped__ = body_fn  # type: ignore[attr-defined]
+    fake_mode = torch._guards.detect_fake_mode([*carried, *additional])
+    assert fake_mode is not None and fake_mode.shape_env is not None  # the caller checked
+    with fake_mode:
+        ranges = carry_ranges(_NAME, body_fn, tuple(carried), tuple(additional), fake_mode.shape_env)
     with mode:
         carried_t = [torch.scalar_tensor(c, dtype=torch.int64) if i in slots else c for i, c in enumerate(carried)]
         out = as_tuple(while_loop_op(cond_t, body_t, tuple(carried_t), tuple(additional)))
         result = as_ints(out)
+    fresh = [assume_range(r, *rng, size=False) for r, rng in zip(result, ranges, strict=True) if rng and _symbolic(r)]
+    assert_ranges(mode, _NAME, tuple(result), fresh, root="carry", why=_DERIVED)
     return result[0] if n == 1 else tuple(result)
+
+
+_DERIVED = "the range derived from the initial value and body_fn"
+
+
+def _symbolic(value: Any) -> bool:
+    return isinstance(value, torch.SymInt) and value.node.expr.is_Symbol
 
 
 def _check_body_graph(gm: torch.fx.GraphModule, body_fn: Fn) -> None:
