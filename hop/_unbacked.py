@@ -424,31 +424,35 @@ def _loop_ranges(
 ) -> dict[tuple[int, int], tuple[Any, Any]]:
     """The range of every changing quantity after any number of iterations.
 
-    An interval fixpoint with widening: start from the initial values' ranges, add
-    what one iteration makes of them (``out`` in terms of the ``generic``
-    placeholders), and let a bound that is still moving after a few rounds go to
-    infinity (0 below, for sizes).
+    Interval analysis of ``R = init | step(R)``, where ``step`` bounds what one
+    iteration makes (``out`` in terms of the ``generic`` placeholders): the bounds
+    one iteration moves are widened to infinity (0 below, for sizes), everything if
+    that is not yet closed under ``step``; then narrowed twice with
+    ``R = init | step(R)``, which stays sound because interval bounds are monotone.
     """
     keys = [(k, d) for k, v in enumerate(varying) for d in sorted(v)]
     syms = {key: _quantity(generic[key[0]], key[1]).node.expr for key in keys}
-    ranges = {key: ValueRanges(*_bounds(shape_env, _quantity(carried[key[0]], key[1]))) for key in keys}
+    exprs = {key: _expr(_quantity(out[key[0]], key[1])) for key in keys}
     floor = {key: 0 if isinstance(carried[key[0]], torch.Tensor) else -int_oo for key in keys}
-    for round_ in range(4):
+    init = {key: ValueRanges(*_bounds(shape_env, _quantity(carried[key[0]], key[1]))) for key in keys}
+
+    def step(ranges: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
         env = {**shape_env.var_to_range, **{syms[key]: ranges[key] for key in keys}}
-        step = {key: bound_sympy(_expr(_quantity(out[key[0]], key[1])), env) for key in keys}
-        grown = {key: ranges[key] | step[key] for key in keys}
-        if grown == ranges:
-            break
-        if round_ >= 2:  # widen what still moves
-            grown = {
-                key: ValueRanges(
-                    grown[key].lower if grown[key].lower == ranges[key].lower else floor[key],
-                    grown[key].upper if grown[key].upper == ranges[key].upper else int_oo,
-                )
-                for key in keys
-            }
-        ranges = grown
-    return {key: (max(r.lower, floor[key]) if floor[key] == 0 else r.lower, r.upper) for key, r in ranges.items()}
+        return {key: bound_sympy(exprs[key], env) & ValueRanges(floor[key], int_oo) for key in keys}
+
+    once = {key: r | init[key] for key, r in step(init).items()}
+    ranges = {  # widen every bound one iteration moves
+        key: ValueRanges(
+            init[key].lower if once[key].lower == init[key].lower else floor[key],
+            init[key].upper if once[key].upper == init[key].upper else int_oo,
+        )
+        for key in keys
+    }
+    if not all(r.issubset(ranges[key]) for key, r in step(ranges).items()):
+        ranges = {key: ValueRanges(floor[key], int_oo) for key in keys}
+    for _ in range(2):  # narrowing
+        ranges = {key: r | init[key] for key, r in step(ranges).items()}
+    return {key: (r.lower, r.upper) for key, r in ranges.items()}
 
 
 # --- scans: sizes made inside the body ------------------------------------------------------------
