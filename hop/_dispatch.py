@@ -257,13 +257,27 @@ def _functorch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str,
 
 def _autograd(op: HigherOrderOperator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensors = tensors_in((args, kwargs))
-    if not _grad_enabled() or not any(t.requires_grad for t in tensors):
+    if not _grad_enabled() or not (any(t.requires_grad for t in tensors) or _traced_closures_need_grad(tensors, args)):
         _record(op, key, "below-autograd")
         with _BelowAutograd():
             return redispatch(op, args, kwargs)
     kernel = _kernel(op, key, "autograd rule", "Autograd")
     _record(op, key, "kernel", kernel)
     return kernel(*args, **kwargs)
+
+
+def _traced_closures_need_grad(tensors: list[torch.Tensor], args: tuple[Any, ...]) -> bool:
+    """Whether, on fake or traced tensors, a callable argument reads a tensor that
+    requires grad from its closure: then the autograd rule runs, to differentiate
+    it (Note [closure conversion]). Real tensors need no check: there the operators
+    run their callables inline, where autograd sees what they read."""
+    if not _mode_stack_len() and all(type(t) is _Tensor for t in tensors):
+        return False
+    from hop._subgraph import closure_tensors
+
+    fns = [a for arg in args for a in (arg if type(arg) in _SEQUENCES else (arg,)) if callable(a)]
+    fns = [f for f in fns if not isinstance(f, (torch.Tensor, torch.fx.GraphModule))]
+    return bool(fns) and any(t.requires_grad for t in closure_tensors(fns))
 
 
 def _python(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

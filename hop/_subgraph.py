@@ -243,6 +243,12 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
         elif isinstance(obj, torch.nn.Module):
             for t in (*obj.parameters(), *obj.buffers()):
                 found.setdefault(id(t), t)
+        elif isinstance(obj, FunctionType) and hasattr(obj, "__hop_closure_map__"):
+            inner, mapping = obj.__hop_closure_map__  # a converted callable: what it reads instead
+            for t in closure_tensors([inner], depth=depth - level):
+                v = mapping.get(id(t), t)
+                if v is not None:
+                    found.setdefault(id(v), v)
         elif isinstance(obj, FunctionType):
             for cell in obj.__closure__ or ():
                 with contextlib.suppress(ValueError):  # an empty cell
@@ -267,6 +273,65 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
     for fn in fns:
         visit(fn, 0)
     return list(found.values())
+
+
+class _Rebind(torch.overrides.TorchFunctionMode):
+    """Swaps tensors (by identity) for others in every torch call: Note [closure conversion]."""
+
+    def __init__(self, subs: dict[int, Any]) -> None:
+        super().__init__()
+        self.subs = subs
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        subs = self.subs
+
+        def swap(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return subs.get(id(x), x)
+            if callable(x) and isinstance(func, torch._ops.HigherOrderOperator):
+                return _rebound_callable(x, subs)  # a nested operator's branches read the closure too
+            return x
+
+        args, kwargs = py_pytree.tree_map(swap, (tuple(args), kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _rebound_callable(fn: Callable[..., Any], subs: dict[int, Any]) -> Callable[..., Any]:
+    def rebound(*args: Any) -> Any:
+        with _Rebind(subs):
+            out = fn(*args)
+        return py_pytree.tree_map(lambda x: subs.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
+
+    rebound.__wrapped__ = fn  # type: ignore[attr-defined]
+    rebound.__qualname__ = getattr(fn, "__qualname__", "branch")
+    rebound.__hop_closure_map__ = (fn, subs)  # type: ignore[attr-defined]
+    return rebound
+
+
+def with_closure_as_inputs(fn: Callable[..., Any], captured: Sequence[torch.Tensor]) -> Callable[..., Any]:
+    """``fn`` taking ``captured`` as extra trailing inputs: ``converted(*args, *values)``
+    runs ``fn(*args)`` in which every use of ``captured[i]`` reads ``values[i]``.
+
+    Note [closure conversion]: an autograd node can only differentiate with respect
+    to its inputs, so tensors a branch or body reads from its closure (a module's
+    parameters, a tensor a torch.func transform tracks) become extra inputs. Every
+    torch call made while ``fn`` runs sees them swapped by identity (a
+    torch-function mode), whatever the closure's form (cells, bound ``self``,
+    globals); so do the callables of hop operators nested in it.
+    """
+    keep = list(captured)  # keeps the ids valid
+    n = len(keep)
+
+    def converted(*args: Any) -> Any:
+        subs = {id(t): a for t, a in zip(keep, args[len(args) - n :], strict=True)}
+        return _rebound_callable(fn, subs)(*args[: len(args) - n])
+
+    converted.__wrapped__ = fn  # type: ignore[attr-defined]
+    converted.__qualname__ = getattr(fn, "__qualname__", "branch")
+    converted.__hop_closure_map__ = (fn, {id(t): None for t in keep})  # type: ignore[attr-defined]
+    return converted
 
 
 # Note [closure lifting]

@@ -65,8 +65,20 @@ def value_key(v: Any) -> Any:
 def flat_signature(name: str, fns: Sequence[Fn], operands: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The signature of a call with flat plain-tensor operands (None otherwise).
 
-    On every eager call's path: written out long-hand.
+    On every eager call's path: written out long-hand, with the commonest call (two
+    closure-free functions, one tensor: a ``cond``) first, giving the same key.
     """
+    if len(fns) == 2 and len(operands) == 1:
+        t, f = fns
+        x = operands[0]
+        if (
+            type(t) is FunctionType
+            and type(f) is FunctionType
+            and t.__closure__ is None
+            and f.__closure__ is None
+            and type(x) is _Tensor
+        ):
+            return (name, t.__code__, f.__code__, x.dtype, x.dim(), x.get_device())
     key: list[Any] = [name]
     for fn in fns:
         if type(fn) is FunctionType:

@@ -33,7 +33,6 @@ import torch
 from torch._C._functorch import _add_batch_dim
 
 from hop import _subgraph, _transforms, _validation
-from hop._dispatch import map_tensors
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, per_step_sizes, rebind_sizes, recording, run_in_subgraph
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError, format_message
@@ -412,18 +411,6 @@ def transform(
     return autograd(L, body, init, xs, additional, reverse)
 
 
-class _Substitute(torch.overrides.TorchFunctionMode):
-    """Inside, every torch function receives ``pairs[id(t)]`` where it was given tensor ``t``."""
-
-    def __init__(self, pairs: dict[int, Any]) -> None:
-        super().__init__()
-        self.pairs = pairs
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        args, kwargs = map_tensors(lambda t: self.pairs.get(id(t), t), (args, kwargs or {}))
-        return func(*args, **kwargs)
-
-
 def lift_transform_closures(body: Fn, level: int) -> tuple[Fn, list[Any]]:
     """The tensors wrapped by the torch.func grad / jvp transform at ``level`` that ``body``
     closes over (found by :func:`hop._subgraph.closure_tensors`), and ``body`` taking them as
@@ -434,15 +421,7 @@ def lift_transform_closures(body: Fn, level: int) -> tuple[Fn, list[Any]]:
     found = [t for t in _subgraph.closure_tensors([body]) if is_gradtrackingtensor(t) and maybe_get_level(t) == level]
     if not found:
         return body, []
-    n = len(found)
-
-    def substituted(*args: Any) -> Any:
-        with _Substitute({id(t): v for t, v in zip(found, args[-n:], strict=True)}):
-            return body(*args[:-n])
-
-    substituted.__qualname__ = getattr(body, "__qualname__", "body")
-    substituted.__wrapped__ = body  # type: ignore[attr-defined]
-    return substituted, found
+    return _subgraph.with_closure_as_inputs(body, found), found
 
 
 def lift_closures(body: Fn, examples: Callable[[], Sequence[Any]]) -> tuple[Fn, list[Any]]:

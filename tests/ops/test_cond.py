@@ -185,6 +185,45 @@ def test_gradients_reach_parameters_the_branches_close_over() -> None:
     torch.testing.assert_close(lin.weight.grad, expected)
 
 
+def _closure_loss(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Both branches read ``w`` from their closure only."""
+    inner = lambda a: hop.cond(a.sum() > 0, lambda b: (b @ w).cos().sum(), lambda b: (b @ w).sum(), (a,))  # noqa: E731
+    return hop.cond(p, lambda a: (a @ w).sin().sum() + inner(a), lambda a: (a @ w).sum() * 2, (x,))
+
+
+def _closure_grad(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    w = w.detach().requires_grad_()
+    return torch.autograd.grad(_closure_loss(x, p, w), w)[0]
+
+
+@pytest.mark.parametrize("mode", ["fake", "symbolic"])
+def test_traced_backward_reaches_closed_over_tensors(mode: str) -> None:
+    # the predicate cannot be read while tracing: the node takes the closure as inputs
+    x, w = torch.randn(2, 3), torch.randn(3, 3)
+    gm = make_fx(_closure_grad, tracing_mode=mode)(x, torch.tensor(True), w)
+    for p in (torch.tensor(True), torch.tensor(False)):
+        want = torch.autograd.grad(_closure_loss(x, p, w.requires_grad_()), w)[0]
+        torch.testing.assert_close(gm(x, p, w.detach()), want)
+
+
+def test_fake_backward_reaches_closed_over_tensors() -> None:
+    with FakeTensorMode() as mode:
+        x, w = mode.from_tensor(torch.randn(2, 3)), mode.from_tensor(torch.randn(3, 3)).requires_grad_()
+        _closure_loss(x, mode.from_tensor(torch.tensor(True)), w).backward()
+        assert w.grad is not None and w.grad.shape == (3, 3)
+
+
+def test_vmap_of_grad_and_jvp_wrt_a_closure_with_a_batched_pred() -> None:
+    x, w = torch.randn(4, 2, 3), torch.randn(3, 3)
+    ps = torch.tensor([True, False, True, False])
+    got = torch.vmap(torch.func.grad(lambda w, x, p: _closure_loss(x, p, w)), in_dims=(None, 0, 0))(w, x, ps)
+    want = torch.stack([_closure_grad(x[i], ps[i], w) for i in range(4)])
+    torch.testing.assert_close(got, want)
+    tangent = torch.randn(3, 3)
+    _, t = torch.func.jvp(lambda w: torch.vmap(lambda x, p: _closure_loss(x, p, w))(x, ps), (w,), (tangent,))
+    torch.testing.assert_close(t, torch.stack([(want[i] * tangent).sum() for i in range(4)]))
+
+
 # --- jvp and the torch.func family ---------------------------------------------------------------
 
 
