@@ -165,7 +165,10 @@ def associative_scan_autograd(
 ) -> Any:
     """Real tensors: autograd records the algorithm's own ops (Note [parallel prefix]).
     Traced ones: one node, differentiated as the sequential scan it equals."""
-    if lp.runs_inline(xs[0].shape[0], xs, additional_inputs):
+    n = xs[0].shape[0]
+    if type(n) is int and n == 0:  # an empty scan is its input, under every transform
+        return lp.pack([x.clone() for x in xs])
+    if lp.runs_inline(n, xs, additional_inputs):
         return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
     return _Function.apply(combine_fn, combine_mode, len(xs), *xs, *additional_inputs)  # type: ignore[no-untyped-call]
 
