@@ -26,7 +26,7 @@ from torch._C import DispatchKey
 from torch._C._functorch import TransformType
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hop import _dispatch
+from hop import _dispatch, _dynamo_hook
 from hop.errors import HopTypeError, HopValueError, format_message
 
 __all__ = ["HigherOrderOperator", "registered_ops"]
@@ -84,6 +84,9 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             Creating a second op with the same name replaces the first in
             ``torch.ops.hop`` (as re-running a module that defines it would).
         cacheable: forwarded to torch (AOTAutograd's cache may key on it).
+        dynamo_traceable: whether torch.compile may trace a raw call of the op
+            with Dynamo's handler for torch's operator of the same name; by
+            default Dynamo breaks the graph and calls it eagerly (hop._dynamo_hook).
 
     Example::
 
@@ -94,7 +97,7 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             return fn(*tensors)
     """
 
-    def __init__(self, name: str, *, cacheable: bool = False) -> None:
+    def __init__(self, name: str, *, cacheable: bool = False, dynamo_traceable: bool = False) -> None:
         if not isinstance(name, str) or not name.isidentifier():
             raise HopValueError(
                 format_message("HigherOrderOperator", f"name must be a Python identifier, got {name!r}"),
@@ -116,6 +119,8 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
         self._hop_kernels: dict[DispatchKey, Callable[..., Any]] = {}
         _REGISTRY[name] = self
         _install_namespace()
+        if not dynamo_traceable:
+            _dynamo_hook.hide(self)
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         return _dispatch.call(self, args, kwargs)

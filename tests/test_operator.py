@@ -133,3 +133,42 @@ def test_torch_library_ops_in_the_hop_namespace_still_resolve() -> None:
     lib.define("twice_lib(Tensor x) -> Tensor")
     lib.impl("twice_lib", lambda x: x * 2, "CompositeExplicitAutograd")
     torch.testing.assert_close(torch.ops.hop.twice_lib(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_dynamo_graph_breaks_on_raw_ops_it_would_mistake_for_torchs() -> None:
+    # Dynamo picks its handler by name: without hop's hook it would trace the raw
+    # while_loop / scan of an exported program as torch's, and fail.
+    class Loop(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return hop.while_loop(lambda c: c.sum() < 10, lambda c: (c + 1,), (x,))[0]  # type: ignore[no-any-return]
+
+    class Scan(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return hop.scan(lambda c, y: (c + y, c * y), torch.zeros(3), x)[1]  # type: ignore[no-any-return]
+
+    x = torch.randn(4, 3)
+    for model in (Loop(), Scan()):
+        torch._dynamo.reset()
+        ep = torch.export.export(model, (x,))
+        with pytest.warns(UserWarning, match="torch.ops.hop"):
+            out = torch.compile(ep.module())(x)
+        torch.testing.assert_close(out, model(x))
+
+
+def test_dynamo_hook_registers_ops_made_before_dynamo_is_imported() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hop\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "late = hop.HigherOrderOperator('made_before_dynamo')\n"
+        "import torch._dynamo.trace_rules as rules\n"
+        "from hop.ops.while_loop import while_loop_op\n"
+        "from hop.ops.cond import cond_op\n"
+        "assert rules.is_callable_disallowed(while_loop_op) and rules.is_callable_disallowed(late)\n"
+        "assert not rules.is_callable_disallowed(cond_op)\n"
+        "after = hop.HigherOrderOperator('made_after_dynamo')\n"
+        "assert rules.is_callable_disallowed(after)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

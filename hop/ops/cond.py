@@ -118,7 +118,7 @@ def _check_pred(pred: Any) -> None:
         )
 
 
-cond_op = HigherOrderOperator("cond")
+cond_op = HigherOrderOperator("cond", dynamo_traceable=True)  # Dynamo's cond handler fits
 
 
 def _index(pred: Any, n: int) -> int:
