@@ -117,6 +117,27 @@ def main() -> None:
     torch.testing.assert_close(h, ref_h)
     report.append(("loops", f"while_loop: Newton sqrt(2) = {root.item():.6f}; scan: GRU over {len(seq)} steps matches"))
 
+    # data-dependent sizes: each branch keeps a different number of values; exported,
+    # the two outputs share one unbacked size (no Eq assert) and its range is asserted
+    class Kept(torch.nn.Module):
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            def pos(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                m = v[v > 0]
+                return m, m * 2
+
+            def neg(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                m = v[v < 0]
+                return m, -m
+
+            a, b = hop.cond(v.sum() > 0, pos, neg, (v,))
+            return a + b
+
+    kept = torch.export.export(Kept(), (torch.tensor([1.0, -2.0, 3.0]),))
+    asserts = [str(n.args[1]) for n in kept.graph.nodes if n.target is torch.ops.aten._assert_scalar.default]
+    for v in (torch.tensor([1.0, -2.0, 3.0]), torch.tensor([-1.0, -2.0, 3.0])):
+        torch.testing.assert_close(kept.module()(v), Kept()(v))
+    report.append(("unbacked", f"1 shared size for 2 outputs, {len(asserts)} asserts: {asserts[-1]}"))
+
     p, small = torch.tensor(True), torch.randn(8)
     t_hop = _timed(lambda: hop.cond(p, torch.sin, torch.cos, (small,)))
     t_py = _timed(lambda: torch.sin(small) if p else torch.cos(small))

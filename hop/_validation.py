@@ -56,7 +56,7 @@ _VERDICTS: dict[Any, None] = {}
 def value_key(v: Any) -> Any:
     """What a verdict depends on of a closed-over value or a leaf."""
     if isinstance(v, torch.Tensor):
-        return (v.dtype, v.dim(), v.get_device())
+        return (v.dtype, v.ndim, v.get_device())
     if v is None or type(v) in (int, float, bool, str):
         return (type(v), v)
     return id(v)
@@ -78,7 +78,7 @@ def flat_signature(name: str, fns: Sequence[Fn], operands: tuple[Any, ...]) -> t
             and f.__closure__ is None
             and type(x) is _Tensor
         ):
-            return (name, t.__code__, f.__code__, x.dtype, x.dim(), x.get_device())
+            return (name, t.__code__, f.__code__, x.dtype, x.ndim, x.get_device())
     key: list[Any] = [name]
     for fn in fns:
         if type(fn) is FunctionType:
@@ -89,7 +89,7 @@ def flat_signature(name: str, fns: Sequence[Fn], operands: tuple[Any, ...]) -> t
     for x in operands:
         if type(x) is not _Tensor:
             return None
-        key += (x.dtype, x.dim(), x.get_device())
+        key += (x.dtype, x.ndim, x.get_device())
     return tuple(key)
 
 
