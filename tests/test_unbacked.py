@@ -255,3 +255,23 @@ def test_map_keeps_a_size_computed_from_unscanned_inputs() -> None:
     ep = export(table.map_shared_size, torch.randn(4, 3), torch.tensor(5))
     for program in (ep, roundtrip(ep)):
         assert program.module()(torch.randn(4, 3), torch.tensor(7)).shape == (4, 7)
+
+
+@pytest.mark.parametrize(
+    "branches",
+    [
+        (lambda x: (x > 0).sum().item(), lambda x: (x < 0).sum().item()),  # a count from .item()
+        (lambda x: 3, lambda x: 5),  # Python ints
+    ],
+    ids=["item", "ints"],
+)
+def test_a_lone_int_output_exports_and_round_trips(branches: Any) -> None:
+    def fn(lib: Any, x: torch.Tensor) -> torch.Tensor:
+        n = hop.cond(x.sum() > 0, branches[0], branches[1], (x,))
+        return torch.zeros(n) + x.sum()
+
+    xs = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([-1.0, -2.0, 3.0])]
+    ep = export(fn, xs[0])
+    for program in (ep, roundtrip(ep)):
+        for x in xs:
+            torch.testing.assert_close(program.module()(x), fn(None, x))

@@ -101,7 +101,14 @@ def flat_branches(b: Branching, branches: Sequence[Fn], in_spec: Any) -> tuple[l
             out = fn(*_subgraph.unflatten(leaves, in_spec))
             out_leaves, spec = _subgraph.flatten(out)
             outputs.record(k, out, spec)
-            return out_leaves[0] if len(out_leaves) == 1 else tuple(out_leaves)
+            if len(out_leaves) != 1:
+                return tuple(out_leaves)
+            if isinstance(out_leaves[0], torch.Tensor):
+                return out_leaves[0]
+            # A lone int gets an empty tensor beside it: torch.export's serializer
+            # reads a node returning a bare SymInt as a symbolic op, and a 1-tuple
+            # does not survive a save/load round trip. call() drops it.
+            return (out_leaves[0], torch.empty(0))
 
         flat.__qualname__ = getattr(fn, "__qualname__", type(fn).__qualname__)
         flat.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -138,8 +145,9 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
         _validate(b, branches, operands, leaves, in_spec, k)
         return _no_alias_tree(branches[k](*operands), leaves)
     flat, outputs = flat_branches(b, branches, in_spec)
-    out = b.call(sel, flat, leaves)
-    return _subgraph.unflatten(list(as_tuple(out)), outputs.spec)
+    out = as_tuple(b.call(sel, flat, leaves))
+    assert outputs.spec is not None  # a branch ran (traced or fake)
+    return _subgraph.unflatten(list(out[: outputs.spec.num_leaves]), outputs.spec)
 
 
 MISS = object()
