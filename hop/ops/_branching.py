@@ -143,7 +143,7 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
     if _transforms.is_concrete(sel) and _transforms.in_plain_eager() and all(map(_plain_leaf, leaves)):
         k = b.index(sel, len(branches))
         _validate(b, branches, operands, leaves, in_spec, k)
-        return _no_alias_tree(branches[k](*operands), leaves)
+        return no_alias_tree(branches[k](*operands), leaves)
     flat, outputs = flat_branches(b, branches, in_spec)
     out = as_tuple(b.call(sel, flat, leaves))
     assert outputs.spec is not None  # a branch ran (traced or fake)
@@ -177,7 +177,7 @@ def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, .
             if out is x:
                 return out.clone()
         return out
-    return _no_alias_tree(out, operands)
+    return no_alias_tree(out, operands)
 
 
 def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
@@ -190,7 +190,7 @@ def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) ->
             if out is x:
                 return out.clone()
         return out
-    return _no_alias_tree(out, operands)
+    return no_alias_tree(out, operands)
 
 
 _ONCE = "once"
@@ -215,7 +215,7 @@ def _check_leaves(name: str, operands: Any, leaves: Sequence[Any]) -> None:
             )
 
 
-def _no_alias_tree(out: Any, operands: Sequence[Any]) -> Any:
+def no_alias_tree(out: Any, operands: Sequence[Any]) -> Any:
     leaves, spec = _subgraph.flatten(out)
     cloned = (
         _subgraph.clone_aliases(leaves, operands)

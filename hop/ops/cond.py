@@ -8,6 +8,7 @@ grad / jvp, vmap, functionalize, fake, proxy.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -16,7 +17,8 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _reference
+from hop import _reference, config
+from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._transforms import functorch_level, is_dynamo_compiling, mode_stack_len, outside_dynamo, tf_mode_enabled
 from hop.errors import HopTypeError, HopValueError, format_message
@@ -26,6 +28,9 @@ __all__ = ["cond", "cond_op"]
 
 _Tensor = torch.Tensor
 _BOOL = torch.bool
+_Function = FunctionType
+_ONCE = "once"
+_VERDICTS = validation._VERDICTS
 
 
 def cond(
@@ -77,6 +82,22 @@ def cond(
         except (RuntimeError, NotImplementedError):
             k = -1
         if k >= 0:
+            # The commonest call, long-hand: one tensor, two closure-free functions, a
+            # validated signature (the key is validation.flat_signature's).
+            if len(operands) == 1 and config.validate is _ONCE:
+                x = operands[0]
+                if (
+                    type(x) is _Tensor
+                    and type(true_fn) is _Function
+                    and type(false_fn) is _Function
+                    and true_fn.__closure__ is None
+                    and false_fn.__closure__ is None
+                    and ("cond", true_fn.__code__, false_fn.__code__, x.dtype, x.ndim, x.get_device()) in _VERDICTS
+                ):
+                    out = (false_fn if k else true_fn)(x)
+                    if type(out) is _Tensor and out is not x and not out._is_view():
+                        return out
+                    return br.no_alias_tree(out, operands)
             out = br.eager_fast("cond", k, (true_fn, false_fn), operands)
             if out is not br.MISS:
                 return out
