@@ -3,6 +3,9 @@
 Public API only; see DESIGN.md and docs/ for the contract.
 """
 
+import importlib
+from typing import Any
+
 from hop import _subgraph as subgraph
 from hop import config, debug, errors
 from hop._operator import HigherOrderOperator, registered_ops
@@ -30,6 +33,14 @@ __all__ = [
     "errors",
     "registered_ops",
     "subgraph",
+    "testing",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``hop.testing`` is imported on first use (it is for tests, not for running programs)."""
+    if name == "testing":
+        return importlib.import_module("hop.testing")
+    raise AttributeError(f"module 'hop' has no attribute {name!r}")

@@ -73,8 +73,8 @@ def fori_loop(
             out, out_spec = _subgraph.flatten(val)
             return _subgraph.unflatten(_subgraph.clone_aliases(out, leaves), out_spec)
     if isinstance(upper, torch.Tensor) and not isinstance(lower, torch.Tensor):
-        # the counter may be batched; torch.full, not torch.tensor: no constant in a traced body
-        lower = torch.full((), lower, dtype=upper.dtype, device=upper.device)
+        # the counter may be batched; not torch.tensor: that is a constant in a traced body
+        lower = torch.zeros((), dtype=upper.dtype, device=upper.device) + lower
     _, val = while_loop(lambda i, v: i < upper, lambda i, v: (i + 1, body_fn(i, v)), (lower, init_val))
     return val
 
