@@ -1,0 +1,214 @@
+"""hop.testing itself: reference semantics, the oracle's verdicts and reports, program printing."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import find
+from torch._C._functorch import is_batchedtensor
+
+import hop
+from hop.errors import HopTypeError, HopValueError
+from hop.testing import CheckFailure, check, reference
+from hop.testing import programs as P
+from hop.testing import strategies as S
+
+# ---- reference() ----------------------------------------------------------------------------
+
+
+def test_reference_runs_cond_and_switch_as_python() -> None:
+    seen: list[str] = []
+
+    def branch(name: str) -> Any:
+        return lambda v: seen.append(f"{name}:{type(v).__name__}") or v + 1
+
+    x = torch.zeros(2)
+    with reference():
+        hop.cond(torch.tensor(True), branch("t"), branch("f"), (x,))
+        hop.switch(torch.tensor(2), [branch("0"), branch("1"), branch("2")], (x,))
+        with pytest.raises(IndexError, match="switch index 3 out of range for 2 branches"):
+            hop.switch(3, [branch("0"), branch("1")], (x,))
+    assert seen == ["t:Tensor", "2:Tensor"]  # one branch, real tensors: nothing checked on fake ones
+
+
+def test_reference_loops() -> None:
+    x = torch.arange(3.0)
+    with reference():
+        n, v = hop.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * 2), [0, x])
+        assert n == 3 and v.tolist() == [0.0, 8.0, 16.0]
+        assert type(hop.while_loop(lambda v: v.sum() < 0, lambda v: v, [x])) is list
+        steps: list[Any] = []
+        hop.fori_loop(1, 3, lambda i, v: steps.append(i) or v, x)
+        hop.fori_loop(torch.tensor([1]), 3, lambda i, v: steps.append(i) or v, x)
+        assert steps[:2] == [1, 2]
+        assert [s.tolist() for s in steps[2:]] == [[1], [2]]  # i is a tensor like the tensor bound
+        carry, ys = hop.scan(lambda c, r: (c + r, c * r), torch.zeros(()), x, reverse=True)
+        assert carry.item() == 3.0 and ys.tolist() == [0.0, 2.0, 0.0]
+        torch.testing.assert_close(
+            hop.associative_scan(lambda a, b: a + b, x, 0, reverse=True), torch.tensor([3.0, 3, 2])
+        )
+        torch.testing.assert_close(hop.map(lambda r, k: r * k, x.reshape(3, 1), 2), x.reshape(3, 1) * 2)
+        assert hop.map(lambda r: r.sum(0, keepdim=True), torch.zeros(0, 4)).shape == (0, 1)  # shaped on zeros
+        assert hop.scan(lambda c, r: (c, r[:1]), torch.ones(()), torch.zeros(2, 0, 5), dim=1)[1].shape == (1, 0, 5)
+    assert hop.scan(lambda c, r: (c, r[:1]), torch.ones(()), torch.zeros(2, 0, 5), dim=1)[1].shape == (1, 0, 5)
+
+
+def test_reference_nests_restores_on_error_and_is_per_thread() -> None:
+    calls: list[str] = []
+    pred = torch.tensor(True)
+
+    def t(v: torch.Tensor) -> torch.Tensor:
+        calls.append(type(v).__name__)
+        return v
+
+    with pytest.raises(RuntimeError, match="boom"), reference():
+        with reference():
+            pass
+        hop.cond(pred, t, t, (torch.zeros(1),))
+        raise RuntimeError("boom")
+    assert calls == ["Tensor"]
+    calls.clear()
+    hop.cond(pred, t, t, (torch.zeros(3, 3, 3),))  # outside again: checked on fake tensors first
+    assert "FakeTensor" in calls
+
+    other: list[str] = []
+    with reference():
+        thread = threading.Thread(target=lambda: other.extend(calls_in_thread(pred)))
+        thread.start()
+        thread.join()
+    assert "FakeTensor" in other
+
+
+def calls_in_thread(pred: torch.Tensor) -> list[str]:
+    seen: list[str] = []
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        seen.append(type(v).__name__)
+        return v
+
+    hop.cond(pred, f, f, (torch.zeros(2, 2, 2, 2),))
+    return seen
+
+
+# ---- check() ----------------------------------------------------------------------------------
+
+
+def test_check_passes_and_reports_what_ran() -> None:
+    def program(x: torch.Tensor) -> Any:
+        return hop.cond(x.sum() > 0, lambda a: (a.sin(), {"h": a * 2}), lambda a: (a.cos(), {"h": a}), (x,))
+
+    report = check(program, torch.randn(3, dtype=torch.float64))
+    assert report.ran == list(hop.testing.TRANSFORMS) and report.skipped == {}
+    assert str(report).startswith("ran: eager, autograd, gradcheck")
+
+
+def test_check_records_why_transforms_are_skipped() -> None:
+    def masked(x: torch.Tensor) -> Any:
+        return hop.cond(x.sum() > 0, lambda a: a[a > 0], lambda a: a[:1], (x,))
+
+    report = check(masked, torch.tensor([1.0, -2.0, 3.0]), skip={"export": "not needed here"})
+    assert report.skipped["gradcheck"] == "the floating-point inputs are not all float64"
+    assert report.skipped["vmap"].startswith("torch.vmap: a data-dependent op")
+    assert report.skipped["export"] == "not needed here"
+    assert "make_fx_symbolic" in report.ran
+
+    ints = check(lambda n: hop.fori_loop(0, 3, lambda i, v: v + i, n), torch.arange(3), transforms=["autograd", "jvp"])
+    assert ints.skipped == {"autograd": "no floating-point tensor inputs", "jvp": "no floating-point tensor inputs"}
+
+
+class _WrongGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * ctx.saved_tensors[0].cos() * 2  # wrong: twice the derivative
+
+
+def test_check_names_the_transform_and_path_of_a_wrong_gradient() -> None:
+    def program(x: torch.Tensor) -> Any:
+        return _WrongGrad.apply(x)
+
+    with pytest.raises(CheckFailure) as info:
+        check(program, torch.randn(3), reference=torch.sin)
+    assert info.value.transform == "autograd" and info.value.path == "grad of args[0]"
+    assert str(info.value).startswith("hop.testing.check: autograd at grad of args[0]: Tensor-likes are not close!")
+
+
+def test_check_names_the_transform_and_path_of_a_wrong_vmap() -> None:
+    def my_op(x: torch.Tensor) -> torch.Tensor:  # a HOP-like function whose batching rule is wrong
+        return x * 2 if is_batchedtensor(x) else x
+
+    def program(x: torch.Tensor) -> Any:
+        return x + 1, {"h": my_op(x)}
+
+    with pytest.raises(CheckFailure) as info:
+        check(program, torch.ones(2), transforms=["eager", "vmap"])
+    assert (info.value.transform, info.value.path) == ("vmap", 'output[1]["h"]')
+    assert "\ngot:      tensor([[2.0000, 2.0000]," in str(info.value)  # the first copy is the input itself
+
+
+def test_check_fails_on_a_wrong_eager_result_and_a_raising_transform() -> None:
+    with pytest.raises(CheckFailure, match=r"^hop.testing.check: eager at output\[0\]: 1 vs the reference's 2$"):
+        check(lambda x: (1, x), torch.ones(1), reference=lambda x: (2, x))
+    with pytest.raises(CheckFailure, match="eager: the output structure differs"):
+        check(lambda x: (x,), torch.ones(1), reference=lambda x: [x])
+
+    def not_traceable(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum() > 0 else x  # a Python decision on data, outside any hop operator
+
+    with pytest.raises(CheckFailure, match="make_fx_fake: fn raised"):
+        check(not_traceable, torch.ones(2), transforms=["eager", "make_fx_fake"])
+
+
+def test_check_user_mistakes() -> None:
+    with pytest.raises(HopTypeError, match=r"^hop\.testing\.check: fn must be callable, got int$"):
+        check(1, torch.ones(1))  # type: ignore[arg-type]
+    with pytest.raises(HopValueError, match=r"^hop\.testing\.check: unknown transform 'grad'\. Choose from eager,"):
+        check(torch.sin, torch.ones(1), transforms=["grad"])
+
+
+# ---- programs and strategies ------------------------------------------------------------------
+
+
+def test_programs_print_as_the_source_that_runs() -> None:
+    body = P.Lambda(("a",), P.Apply(P.UNARY["pointwise"][0], P.Var("a")))
+    program = P.Program(
+        ("x",),
+        (P.Cond("o", P.PREDICATES[0], body, P.Lambda(("b",), P.Var("x")), P.Var("x")),),
+        names=("out",),
+    )
+    assert program.to_source() == (
+        "def program(x):\n"
+        "    return {'out': (lambda o: hop.cond(o.sum() > 0, lambda a: a.sin(), lambda b: x, (o,)))(x)}\n"
+    )
+    assert repr(program) == program.to_source()
+    assert program.closures and not program.data_dependent
+    x = torch.tensor([1.0, 2.0])
+    torch.testing.assert_close(program.compile()(x), {"out": x.sin()})
+    case = S.Case(program, (x,))
+    assert repr(case).endswith("x = torch.tensor([1.0, 2.0], dtype=torch.float32).reshape((2,))\n")
+
+
+def test_strategies_draw_float64_zero_size_and_scalar_tensors() -> None:
+    assert find(S.tensors(), lambda t: t.dtype == torch.float64).dtype == torch.float64
+    assert find(S.tensors(), lambda t: t.numel() == 0 and t.dim() > 0).numel() == 0
+    assert find(S.tensors(), lambda t: t.dim() == 0).shape == ()
+    assert find(S.tensors(dtypes=[torch.bool]), lambda t: t.numel() > 0).dtype == torch.bool
+
+
+def test_strategies_nest_the_chosen_operators() -> None:
+    def nests(case: S.Case) -> bool:
+        source = case.program.to_source()
+        return "hop.while_loop" in source and "hop.scan" in source and case.program.data_dependent
+
+    case = find(S.cases(ops=("while_loop", "scan"), min_rank=1, depth=2), nests)
+    assert "hop.cond" not in case.program.to_source()
