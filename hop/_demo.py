@@ -130,7 +130,8 @@ def main() -> None:
                 return m, -m
 
             a, b = hop.cond(v.sum() > 0, pos, neg, (v,))
-            return a + b
+            total: torch.Tensor = a + b
+            return total
 
     kept = torch.export.export(Kept(), (torch.tensor([1.0, -2.0, 3.0]),))
     asserts = [str(n.args[1]) for n in kept.graph.nodes if n.target is torch.ops.aten._assert_scalar.default]

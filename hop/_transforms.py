@@ -26,6 +26,7 @@ __all__ = [
     "PRE_DISPATCH",
     "is_dynamo_compiling",
     "outside_dynamo",
+    "place",
 ]
 
 _Tensor = torch.Tensor
@@ -116,3 +117,11 @@ def unwrap_batched(values: Sequence[Any], level: int) -> tuple[list[Any], list[i
 def add_batch_dims(values: Sequence[Any], level: int) -> list[Any]:
     """Re-wrap tensors whose leading dimension is the batch at ``level``."""
     return [_add_batch_dim(v, 0, level) if isinstance(v, _Tensor) else v for v in values]
+
+
+def place(values: Sequence[Any], at: Sequence[int], new: Sequence[Any]) -> list[Any]:
+    """``values`` with ``values[at[i]]`` replaced by ``new[i]`` (the differentiable ones, for a vjp or jvp)."""
+    full = list(values)
+    for i, v in zip(at, new, strict=True):
+        full[i] = v
+    return full

@@ -304,10 +304,7 @@ def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
         primals, cts = list(args[:n]), args[n:]
 
         def on_diff(*d: Any) -> Any:
-            full = list(primals)
-            for i, v in zip(diff, d, strict=True):
-                full[i] = v
-            return as_tuple(fn(*full))
+            return as_tuple(fn(*_transforms.place(primals, diff, d)))
 
         out, vjp_fn = torch.func.vjp(on_diff, *[primals[i] for i in diff])[:2]
         grads = vjp_fn(tuple(ct if ct is not None else torch.zeros_like(o) for o, ct in zip(out, cts, strict=True)))
@@ -325,10 +322,7 @@ def _jvp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
         primals, tangents = list(args[:n]), args[n:]
 
         def on_diff(*d: Any) -> Any:
-            full = list(primals)
-            for i, v in zip(diff, d, strict=True):
-                full[i] = v
-            return as_tuple(fn(*full))
+            return as_tuple(fn(*_transforms.place(primals, diff, d)))
 
         out, tout = torch.func.jvp(on_diff, tuple(primals[i] for i in diff), tuple(tangents))[:2]
         return (*out, *tout)

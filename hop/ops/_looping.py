@@ -587,15 +587,8 @@ def _diff(values: Sequence[Any]) -> list[int]:
     return [i for i, v in enumerate(values) if differentiable(v)]
 
 
-def _place(values: Sequence[Any], at: Sequence[int], new: Sequence[Any]) -> list[Any]:
-    full = list(values)
-    for i, v in zip(at, new, strict=True):
-        full[i] = v
-    return full
-
-
 def _scatter(n: int, at: Sequence[int], values: Sequence[Any]) -> list[Any]:
-    return _place([None] * n, at, values)
+    return _transforms.place([None] * n, at, values)
 
 
 class _ScanFunction(torch.autograd.Function):
@@ -694,9 +687,9 @@ def _vjp_body(body: Fn, counts: tuple[int, int, int], dc: list[int], dx: list[in
         g_y, additional = rest[nc + nx : nc + nx + len(dy)], rest[nc + nx + len(dy) :]
 
         def on_diff(*d: Any) -> tuple[Any, ...]:
-            c = _place(carry, dc, d[: len(dc)])
-            xx = _place(x, dx, d[len(dc) : len(dc) + len(dx)])
-            out = as_tuple(body(*c, *xx, *_place(additional, da, d[len(dc) + len(dx) :])))
+            c = _transforms.place(carry, dc, d[: len(dc)])
+            xx = _transforms.place(x, dx, d[len(dc) : len(dc) + len(dx)])
+            out = as_tuple(body(*c, *xx, *_transforms.place(additional, da, d[len(dc) + len(dx) :])))
             return (*[out[i] for i in dc], *[out[nc + j] for j in dy])
 
         primals = [*[carry[i] for i in dc], *[x[i] for i in dx], *[additional[i] for i in da]]
@@ -746,9 +739,9 @@ def _jvp_body(body: Fn, counts: tuple[int, int, int], dc: list[int], dx: list[in
         additional, t_add = rest[nx + len(dx) : nx + len(dx) + na], rest[nx + len(dx) + na :]
 
         def on_diff(*d: Any) -> tuple[Any, ...]:
-            c = _place(carry, dc, d[: len(dc)])
-            xx = _place(x, dx, d[len(dc) : len(dc) + len(dx)])
-            return as_tuple(body(*c, *xx, *_place(additional, da, d[len(dc) + len(dx) :])))
+            c = _transforms.place(carry, dc, d[: len(dc)])
+            xx = _transforms.place(x, dx, d[len(dc) : len(dc) + len(dx)])
+            return as_tuple(body(*c, *xx, *_transforms.place(additional, da, d[len(dc) + len(dx) :])))
 
         primals = (*[carry[i] for i in dc], *[x[i] for i in dx], *[additional[i] for i in da])
         out, t_out = torch.func.jvp(on_diff, primals, (*t_carry, *t_x, *t_add))[:2]
