@@ -431,13 +431,52 @@ def trace_branches(
                 _install_lifting(current.fx_tracer, parent, lifted, nodes)
             return fn(*a)
 
-        traced.append((trace_subgraph(lifting, args), lifted, nodes))
+        gm = trace_subgraph(lifting, args)
+        if outer is not None:
+            _lift_constants(gm, outer, lifted, nodes)
+        traced.append((gm, lifted, nodes))
     union: list[Any] = []
     for _, lifted, _ in traced:
         union.extend(v for v in lifted if not any(_same_value(v, u) for u in union))
     for gm, lifted, nodes in traced:
         _align_placeholders(gm, lifted, nodes, union)
     return [gm for gm, _, _ in traced], union
+
+
+def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nodes: list[torch.fx.Node]) -> None:
+    """Tensor constants a branch made (``torch.tensor(2.0)``) become constants of the
+    parent graph, passed in as lifted values: torch.export lifts and saves a
+    top-level constant, not one inside a subgraph."""
+    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+
+    parent, fake_mode = outer.fx_tracer, outer.fake_tensor_mode
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = _attr(gm, str(node.target))
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+            continue
+        name = parent.get_fresh_qualname("_tensor_constant")
+        setattr(parent.root, name, value)
+        example = fake_mode.from_tensor(value, static_shapes=True) if fake_mode is not None else value
+        track_tensor_tree(example, parent.create_proxy("get_attr", name, (), {}), constant=value, tracer=parent)
+        anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
+        with gm.graph.inserting_before(anchor):
+            placeholder = gm.graph.placeholder(f"lifted_const_{len(lifted)}")
+        placeholder.meta = dict(node.meta)
+        placeholder.meta["val"] = example
+        node.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(node)
+        lifted.append(example)
+        nodes.append(placeholder)
+    gm.recompile()
+
+
+def _attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -459,11 +498,10 @@ def _align_placeholders(
     for i, value in enumerate(union):
         with graph.inserting_before(anchor):
             new = graph.placeholder(f"lifted_arg_{i}")
-        old = next((n for v, n in zip(lifted, nodes, strict=True) if _same_value(v, value)), None)
-        if old is None:
-            new.meta["val"] = value
-        else:
-            new.meta = dict(old.meta)
+        # one branch may have lifted the same value twice (two SymInts of one expression)
+        olds = [n for v, n in zip(lifted, nodes, strict=True) if _same_value(v, value)]
+        new.meta = dict(olds[0].meta) if olds else {"val": value}
+        for old in olds:
             old.replace_all_uses_with(new)
             graph.erase_node(old)
     gm.recompile()

@@ -45,6 +45,7 @@ __all__ = [
     "Unifier",
     "assert_ranges",
     "assume_range",
+    "dense_order",
     "carry_ranges",
     "generalize_carries",
     "recording",
@@ -212,14 +213,14 @@ def _empty_like(leaves: Sequence[torch.Tensor], shape: list[Any]) -> torch.Tenso
     """An empty tensor of ``shape`` laid out as the branches are: contiguous unless
     every branch is dense in one other dimension order."""
     first = leaves[0]
-    orders = {_dense_order(t) for t in leaves}
+    orders = {dense_order(t) for t in leaves}
     order = orders.pop() if len(orders) == 1 else None
     if order is None or order == tuple(range(first.dim())):
         return first.new_empty(shape)
     return torch.empty_permuted(shape, order, dtype=first.dtype, device=first.device)
 
 
-def _dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
+def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
     """The dimension order (outermost first) in which ``t`` is dense, if provably one."""
     dims = list(range(t.dim()))
     stride, shape = t.stride(), t.shape

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hop import _subgraph, _transforms, config
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
-from hop._unbacked import Unifier, assert_ranges, recording
+from hop._unbacked import Unifier, assert_ranges, dense_order, recording
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, format_message
 
 Fn = Callable[..., Any]
@@ -503,9 +503,37 @@ def proxy(b: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: S
     all_operands = (*operands, *lifted)
     with recording() as fresh:
         out = b.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
+    for gm in graphs:
+        _match_layout(gm, as_tuple(out))
     result = _subgraph.emit(mode, b.op, _node_args(b, sel, graphs, all_operands), out)
     assert_ranges(mode, b.name, result, fresh)
     return result
+
+
+def _match_layout(gm: torch.fx.GraphModule, merged: Sequence[Any]) -> None:
+    """Make a branch graph return contiguous tensors where the unified output claims
+    contiguity but the branch is laid out otherwise (hop._unbacked.Unifier): code
+    traced after the op relies on the claimed strides (a reshape becomes a view)."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(as_tuple(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],))
+    changed = False
+    for i, (node, claim) in enumerate(zip(flat, merged, strict=True)):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(claim, torch.Tensor):
+            continue
+        order = dense_order(claim)
+        if order != tuple(range(claim.dim())) or dense_order(val) == order:
+            continue
+        with gm.graph.inserting_before(out_node):
+            flat[i] = gm.graph.call_function(
+                torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format}
+            )
+        flat[i].meta["val"] = val.clone(memory_format=torch.contiguous_format)
+        changed = True
+    if changed:
+        single = not isinstance(out_node.args[0], (tuple, list))
+        out_node.args = (flat[0] if single else tuple(flat),)
+        gm.recompile()
 
 
 def _node_args(b: Branching, sel: Any, graphs: Sequence[Any], operands: tuple[Any, ...]) -> tuple[Any, ...]:

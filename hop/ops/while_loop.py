@@ -394,6 +394,8 @@ def while_loop_proxy(
         templates = generalize_carries(
             _NAME, body_fn, tuple(carried_inputs), tuple(additional_inputs), shape_env, fresh=False
         )
+        # fresh tensors: a body may also read the tensor the loop starts from (a closure)
+        templates = tuple(torch.empty_like(t) if isinstance(t, torch.Tensor) else t for t in templates)
     (cond_graph, body_graph), lifted = _subgraph.trace_branches([cond_fn, body_fn], (*templates, *additional_inputs))
     _check_cond_graph(cond_graph, cond_fn)
     _check_body_graph(body_graph, body_fn)

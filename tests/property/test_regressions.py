@@ -1,18 +1,16 @@
 """Programs hop.testing found wrong, shrunk by hypothesis, kept as plain regression tests.
 
-Each test names the transform that disagreed. The xfail ones are bugs whose fix
-lies in the tracing (fake / proxy) rules; they hold the minimal program until fixed.
+Each test names the transform that disagreed and what was wrong.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 import hop
-from hop.testing import CheckFailure, check
+from hop.testing import check
 
 
 def test_associative_scan_jvp_of_an_empty_scan() -> None:
@@ -36,39 +34,30 @@ def test_fori_loop_with_a_tensor_bound_inside_a_traced_body() -> None:
     assert "export" in check(program, torch.ones(3), transforms=["eager", "export"]).ran
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckFailure,
-    reason="branches returning different strides: the traced output is taken as contiguous (a later reshape "
-    "becomes a view) while the true branch returns a transposed tensor; the fix lies in the fake/proxy rule",
-)
 def test_cond_branches_with_different_strides() -> None:
+    """The traced output was claimed contiguous while the true branch returned a transposed
+    tensor (a later reshape became a view); now that branch's graph returns it contiguous."""
+
     def program(x: torch.Tensor) -> Any:
         return hop.cond(x.sum() > 0, lambda a: a.mT * 2.0, lambda a: a * 1.0, (x,)).reshape(-1)
 
     check(program, torch.arange(4.0).reshape(2, 2), transforms=["eager", "make_fx_fake"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckFailure,
-    reason="the body is traced on the carry tensors themselves, so a body reading the tensor the loop started "
-    "with reads the carry instead; the fix lies in the proxy rule (trace on fresh fake carries)",
-)
 def test_while_loop_body_reads_its_initial_carry() -> None:
+    """The body was traced on the carry tensors themselves, so reading the tensor the loop
+    started with (a closure) read the carry; now it is traced on fresh tensors."""
+
     def program(y: torch.Tensor) -> Any:
         return hop.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, y.sin()), (0, y))[1]
 
     check(program, torch.tensor(0.5), transforms=["eager", "make_fx_fake"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckFailure,
-    reason="torch.tensor(...) in a traced body is a tensor constant of the subgraph, which torch.export does not "
-    "lift and torch.export.save cannot serialize; the fix lies in the proxy rule (lift subgraph constants)",
-)
 def test_tensor_constant_in_a_traced_body() -> None:
+    """torch.tensor(...) in a traced body was a constant of the subgraph, which torch.export
+    neither lifts nor saves; now it is lifted to the parent graph."""
+
     def program(x: torch.Tensor) -> Any:
         inner = lambda a: hop.while_loop(lambda j, b: j < 1, lambda j, b: (j + 1, b * 2), (torch.tensor(0), a))[1]  # noqa: E731
         return hop.while_loop(lambda i, a: i < 1, lambda i, a: (i + 1, inner(a)), (0, x))[1]
@@ -76,14 +65,10 @@ def test_tensor_constant_in_a_traced_body() -> None:
     check(program, torch.ones(2), transforms=["eager", "export"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckFailure,
-    reason="make_fx(tracing_mode='symbolic') of a branch using the symbolic sizes of a tensor it closes over "
-    "fails: the lifted SymInt placeholders are not passed to the branch graph (forward() missing lifted_arg); "
-    "the fix lies in the closure lifting of the fake/proxy rules",
-)
 def test_closure_sizes_in_symbolic_make_fx() -> None:
+    """A branch that lifted one size twice (two SymInts of one expression) kept a stray
+    placeholder; now every duplicate maps to the one lifted argument."""
+
     def program(x: torch.Tensor, y: torch.Tensor) -> Any:
         return hop.cond(x.sum() > 0, lambda a: y.reshape(-1).reshape(y.shape), lambda a: a, (x,))
 
