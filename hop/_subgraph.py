@@ -310,6 +310,22 @@ def _rebound_callable(fn: Callable[..., Any], subs: dict[int, Any]) -> Callable[
     return rebound
 
 
+def convert_closures(
+    fns: Sequence[Callable[..., Any]], operands: Sequence[Any]
+) -> tuple[list[Callable[..., Any]], list[torch.Tensor]]:
+    """The tensors ``fns`` read from their closures that need grad (and are not
+    operands already), and ``fns`` taking them as extra trailing inputs
+    (Note [closure conversion]); ``fns`` unchanged when there are none."""
+    captured = [
+        t
+        for t in closure_tensors(fns)
+        if t.requires_grad and (t.is_floating_point() or t.is_complex()) and not any(t is x for x in operands)
+    ]
+    if not captured:
+        return list(fns), []
+    return [with_closure_as_inputs(fn, captured) for fn in fns], captured
+
+
 def with_closure_as_inputs(fn: Callable[..., Any], captured: Sequence[torch.Tensor]) -> Callable[..., Any]:
     """``fn`` taking ``captured`` as extra trailing inputs: ``converted(*args, *values)``
     runs ``fn(*args)`` in which every use of ``captured[i]`` reads ``values[i]``.
@@ -454,7 +470,7 @@ def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nod
         if node.op != "get_attr":
             continue
         value = _attr(gm, str(node.target))
-        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+        if not isinstance(value, torch.Tensor):
             continue
         name = parent.get_fresh_qualname("_tensor_constant")
         setattr(parent.root, name, value)

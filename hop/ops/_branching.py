@@ -382,14 +382,8 @@ class _BranchFunction(torch.autograd.Function):
 def _as_node(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """One autograd node; tensors the branches read from their closures and that need
     grad become inputs too (Note [closure conversion] in hop._subgraph)."""
-    captured = [
-        t
-        for t in _subgraph.closure_tensors(branches)
-        if t.requires_grad and _differentiable(t) and not any(t is x for x in operands)
-    ]
-    if captured:
-        branches = [_subgraph.with_closure_as_inputs(fn, captured) for fn in branches]
-        operands = (*operands, *captured)
+    branches, captured = _subgraph.convert_closures(branches, operands)
+    operands = (*operands, *captured)
     return _BranchFunction.apply(b, sel, tuple(branches), *operands)  # type: ignore[no-untyped-call]
 
 

@@ -474,7 +474,7 @@ def _check_cond_graph(gm: torch.fx.GraphModule, cond_fn: Fn) -> None:
 
 class _LoopFunction(torch.autograd.Function):
     """A traced loop as one autograd node: forward mode is a loop over (carry,
-    tangent); reverse mode when traced is refused with a clear error."""
+    tangent); reverse mode is Note [reverse mode of a traced loop]."""
 
     generate_vmap_rule = True
 
@@ -487,17 +487,22 @@ class _LoopFunction(torch.autograd.Function):
         ctx.cond_fn, ctx.body_fn, ctx.n = inputs[0], inputs[1], inputs[2]
         ctx.args = inputs[3:]
         ctx.single = not isinstance(output, tuple)
+        # saved through autograd, so that torch.func.grad hands them back at the right level
+        ctx.save_for_backward(*[a for a in ctx.args if isinstance(a, torch.Tensor)])
+        ctx.others = [a for a in ctx.args if not isinstance(a, torch.Tensor)]
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        raise HopRuntimeError(
-            format_message(
-                _NAME,
-                "reverse mode through a traced while_loop (fake or traced tensors) is not supported",
-                fix="Differentiate it in eager (real tensors), or write the loop with hop.scan.",
-            ),
-            op=_NAME,
-        )
+        saved, others = iter(ctx.saved_tensors), iter(ctx.others)
+        n, args = ctx.n, [next(saved) if isinstance(a, torch.Tensor) else next(others) for a in ctx.args]
+        carried, extra = list(args[:n]), list(args[n:])
+        d_carry = [i for i, x in enumerate(carried) if _differentiable(x)]
+        d_extra = [i for i, x in enumerate(extra) if _differentiable(x)]
+        g_carry = [torch.zeros_like(carried[i]) if grads[i] is None else grads[i] for i in d_carry]
+        g_carry, g_extra = _reverse_sweep(ctx.cond_fn, ctx.body_fn, carried, extra, d_carry, d_extra, g_carry)
+        full_c: list[Any] = _transforms.place([None] * n, d_carry, g_carry)
+        full_e: list[Any] = _transforms.place([None] * len(extra), d_extra, g_extra)
+        return (None, None, None, *full_c, *full_e)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -544,6 +549,76 @@ def _differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
+# Note [reverse mode of a traced loop]
+# A traced loop's trip count is a run-time value, so its iterations cannot be
+# stored in the graph. The backward is itself made of while_loops: one counts the
+# trips n; then a sweep runs k = n .. 1, and step k recomputes carry k-1 from the
+# initial carry (an inner loop of k-1 steps) and pulls the gradient through one
+# body step with torch.func.vjp. Memory stays constant; time is O(n^2) body runs
+# (eager reverse mode runs the loop inline and costs O(n): Note [loops run
+# inline]). Carries must keep their shapes.
+
+
+def _reverse_sweep(
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried: list[Any],
+    extra: list[Any],
+    d_carry: list[int],
+    d_extra: list[int],
+    g_carry: list[Any],
+) -> tuple[list[Any], list[Any]]:
+    """Gradients of the initial carry and the additional inputs (Note [reverse mode of a
+    traced loop]). Tensors reach the inner functions as inputs, never by closure: under
+    torch.func they live at a level the loops' bodies run below."""
+    n, e, m = len(carried), len(extra), len(d_carry)
+    zero = torch.zeros((), dtype=torch.int64, device=_device(carried))
+
+    def count_cond(k: Any, *a: Any) -> Any:
+        return cond_fn(*a)
+
+    def count_body(k: Any, *a: Any) -> tuple[Any, ...]:
+        return (k + 1, *as_tuple(body_fn(*a)))
+
+    trips = as_tuple(while_loop_op(count_cond, count_body, (zero, *carried), tuple(extra)))[0]
+
+    def sweep_cond(k: Any, *a: Any) -> Any:
+        return k > 0
+
+    def sweep(k: Any, *a: Any) -> tuple[Any, ...]:
+        gs, init, ext = a[: m + len(d_extra)], a[-(n + e) : len(a) - e], a[len(a) - e :]
+
+        def replay_cond(j: Any, *b: Any) -> Any:
+            return j < b[-1]
+
+        def replay_body(j: Any, *b: Any) -> tuple[Any, ...]:
+            return (j + 1, *as_tuple(body_fn(*b[:n], *b[n : n + e])))
+
+        replay = as_tuple(while_loop_op(replay_cond, replay_body, (torch.zeros_like(k), *init), (*ext, k - 1)))
+        before = list(replay[1:])
+
+        def one_step(*d: Any) -> tuple[Any, ...]:
+            c = _transforms.place(before, d_carry, d[:m])
+            out = as_tuple(body_fn(*c, *_transforms.place(list(ext), d_extra, d[m:])))
+            return tuple(out[i] for i in d_carry)
+
+        primals = (*[before[i] for i in d_carry], *[ext[i] for i in d_extra])
+        pulled = torch.func.vjp(one_step, *primals)[1](tuple(gs[:m]))
+        return (k - 1, *pulled[:m], *[a + b for a, b in zip(gs[m:], pulled[m:], strict=True)])
+
+    init = (trips, *g_carry, *[torch.zeros_like(extra[i]) for i in d_extra])
+    out = as_tuple(while_loop_op(sweep_cond, sweep, init, (*carried, *extra)))
+    return list(out[1 : 1 + m]), list(out[1 + m :])
+
+
+def _device(values: Sequence[Any]) -> torch.device:
+    return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+
+
 def _as_node(cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any]) -> Any:
+    """One autograd node; what the functions close over and need grad for becomes
+    additional inputs (Note [closure conversion] in hop._subgraph)."""
+    (cond_fn, body_fn), captured = _subgraph.convert_closures([cond_fn, body_fn], [*carried, *additional])
+    additional = (*additional, *captured)
     apply: Callable[..., Any] = _LoopFunction.apply
     return apply(cond_fn, body_fn, len(carried), *carried, *additional)

@@ -320,13 +320,40 @@ def test_export_growing_carry() -> None:
         torch.testing.assert_close(roundtrip(ep).module()(x), grow(x))
 
 
-def test_traced_reverse_mode_is_refused_clearly() -> None:
-    def f(x: torch.Tensor) -> Any:
-        out = halve(x)
-        return torch.autograd.grad(out.sum(), x)
+@pytest.mark.parametrize("mode", ["fake", "symbolic"])
+def test_traced_reverse_mode(mode: str) -> None:
+    # Note [reverse mode of a traced loop]: gradients of the initial carry and of a
+    # closed-over tensor, for a trip count decided at run time (zero included)
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        _, y = hop.while_loop(lambda i, y: y.sum() < 10, lambda i, y: (i + 1, y * w + 1.0), (0, x))
+        return y.sin().sum()  # type: ignore[no-any-return]
 
-    with pytest.raises(HopRuntimeError, match="reverse mode through a traced while_loop"):
-        make_fx(f, tracing_mode="fake")(torch.randn(3, requires_grad=True))
+    def step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+        return torch.autograd.grad(loss(x, w), (x, w), allow_unused=True, materialize_grads=True)
+
+    w = torch.tensor(0.9)
+    gm = make_fx(step, tracing_mode=mode)(torch.tensor([0.5, 1.0]), w)
+    for x in (torch.tensor([0.5, 1.0]), torch.tensor([2.0, 3.0]), torch.tensor([9.0, 9.0])):
+        for got, want in zip(gm(x, w), step(x, w), strict=True):
+            torch.testing.assert_close(got, want)
+
+
+def test_traced_torch_func_grad_and_vmap_of_grad() -> None:
+    def loss(a: torch.Tensor) -> torch.Tensor:
+        return halve(a).sin().sum()  # type: ignore[no-any-return]
+
+    def loss_ref(a: torch.Tensor) -> torch.Tensor:
+        return halve_ref(a).sin().sum()
+
+    x = torch.tensor([3.0, 2.0, 1.0])
+    gm = make_fx(torch.func.grad(loss), tracing_mode="fake")(x)
+    rows = torch.tensor([[3.0, 2.0, 1.0], [0.1, 0.1, 0.1], [40.0, 0.0, 0.0]])
+    for r in rows:
+        torch.testing.assert_close(gm(r), torch.func.grad(loss_ref)(r))
+    want = torch.stack([torch.func.grad(loss_ref)(r) for r in rows])
+    torch.testing.assert_close(torch.vmap(torch.func.grad(loss))(rows), want)
+    torch.testing.assert_close(make_fx(torch.vmap(torch.func.grad(loss)), tracing_mode="fake")(rows)(rows), want)
 
 
 def test_torch_compile_default() -> None:
