@@ -436,7 +436,7 @@ def _within(case: _Case, env: ShapeEnv, path: str, fake: Any, real: Any, what: s
 
 def _check_fake(case: _Case) -> None:
     env = ShapeEnv()
-    with FakeTensorMode(shape_env=env) as mode:
+    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=True) as mode:  # parameters stay real
         fake_args = tuple(
             unflatten(
                 [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in _leaves(case)[0]], _leaves(case)[1]
@@ -482,7 +482,7 @@ def _check_make_fx(case: _Case, mode: Literal["fake", "symbolic"]) -> None:
     transform = f"make_fx_{mode}"
     on, pick = _flat_program(case)
     with _running(transform):
-        gm = make_fx(on, tracing_mode=mode)(*pick(case.args))
+        gm = make_fx(on, tracing_mode=mode, _allow_non_fake_inputs=True)(*pick(case.args))  # parameters
     for args, want in _inputs(case):
         with _running(transform):
             got = gm(*pick(args))
@@ -490,9 +490,13 @@ def _check_make_fx(case: _Case, mode: Literal["fake", "symbolic"]) -> None:
 
 
 class _Program(torch.nn.Module):
-    def __init__(self, fn: Fn) -> None:
+    """``fn`` as a module to export; a model given to :func:`check` is registered, so that its
+    parameters and buffers are the exported program's."""
+
+    def __init__(self, fn: Fn, model: Any) -> None:
         super().__init__()
         self.fn = fn
+        self.model = model if isinstance(model, torch.nn.Module) else None
 
     def forward(self, *xs: Any) -> Any:
         return self.fn(*xs)
@@ -508,7 +512,7 @@ def _roundtrip(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram
 def _check_export(case: _Case) -> None:
     on, pick = _flat_program(case)
     with _running("export"):
-        ep = torch.export.export(_Program(on), tuple(pick(case.args)))
+        ep = torch.export.export(_Program(on, case.fn), tuple(pick(case.args)))
         programs = [ep.module(), _roundtrip(ep).module()]
     for args, want in _inputs(case):
         for program in programs:
