@@ -93,7 +93,7 @@ UNARY: dict[str, tuple[Template, ...]] = {
     "view": (
         _T("(lambda t: t.reshape(-1).view(t.shape))({})"),
         _T("{}.unsqueeze(0).squeeze(0)"),
-        _T("(lambda t: t.mT.contiguous().mT.contiguous() * 2.0)({})", min_rank=2),
+        _T("(lambda t: t.mT.contiguous().mT * 2.0)({})", min_rank=2),
         _T("(lambda t: t.flatten().flip(0).reshape(t.shape))({})"),
     ),
     "indexing": (
@@ -122,7 +122,7 @@ PREDICATES: tuple[Template, ...] = (
     _T("{}.sum() > 0"),
     _T("{}.reshape(-1)[:1].sum() < 0.5"),
     _T("{}.numel() > 2"),
-    _T("torch.ones((), dtype=torch.bool)"),
+    _T("torch.tensor(True)"),
 )
 INDICES: tuple[Template, ...] = (
     _T("(({}.sum().abs() * 3).long() % {n})"),
@@ -256,7 +256,7 @@ class WhileLoop(Expr):
     def source(self) -> str:
         i, a = self.body.params
         stop = f"({i} < {self.trips}) & ({self.pred(a)})" if self.pred else f"{i} < {self.trips}"
-        start = "torch.zeros((), dtype=torch.long)" if self.tensor_counter else "0"
+        start = "torch.tensor(0)" if self.tensor_counter else "0"
         body = self.body.source(lambda b: f"({i} + 1, {b})")
         return f"hop.while_loop(lambda {i}, {a}: {stop}, {body}, ({start}, {self.init.source()}))[1]"
 
@@ -275,7 +275,7 @@ class ForiLoop(Expr):
     tensor_bound: bool
 
     def source(self) -> str:
-        upper = f"torch.full((), {self.upper})" if self.tensor_bound else str(self.upper)
+        upper = f"torch.tensor({self.upper})" if self.tensor_bound else str(self.upper)
         body = self.body.source(lambda b: f"{b} + 0.1 * {self.body.params[0]}")
         return f"hop.fori_loop({self.lower}, {upper}, {body}, {self.init.source()})"
 
