@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import hop
-from hop.testing import check
+from hop.testing import CheckFailure, check
 
 
 def test_associative_scan_jvp_of_an_empty_scan() -> None:
@@ -73,3 +74,18 @@ def test_closure_sizes_in_symbolic_make_fx() -> None:
         return hop.cond(x.sum() > 0, lambda a: y.reshape(-1).reshape(y.shape), lambda a: a, (x,))
 
     check(program, torch.ones(3, 2), torch.ones(3, 2), transforms=["eager", "make_fx_symbolic"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=CheckFailure,
+    reason="jvp of a scan over length 0: the jvp rule shapes the empty ys by running the differentiated "
+    "combine_fn on fake tensors, where its data-dependent op (a boolean mask) cannot be guarded; eager and "
+    "autograd shape them from combine_fn itself. Open: the fix lies in the length-0 path of the jvp rule "
+    "(_looping.transform / _empty); computing it there needs fake copies of functorch-wrapped tensors.",
+)
+def test_scan_jvp_of_an_empty_scan_with_a_boolean_mask() -> None:
+    def program(y: torch.Tensor) -> Any:
+        return hop.scan(lambda c, r: (c + r[r > 0].sum(), r), y.sum(0), y)
+
+    check(program, torch.zeros(0, 3), transforms=["eager", "jvp"])
