@@ -212,3 +212,11 @@ def test_strategies_nest_the_chosen_operators() -> None:
 
     case = find(S.cases(ops=("while_loop", "scan"), min_rank=1, depth=2), nests)
     assert "hop.cond" not in case.program.to_source()
+
+
+def test_check_without_eager_still_compares_with_the_reference() -> None:
+    def program(x: torch.Tensor) -> Any:
+        return hop.scan(lambda c, r: (c + r, c * r), torch.zeros(()), x)
+
+    report = check(program, torch.randn(4), transforms=["fake", "jvp"])
+    assert report.ran == ["jvp", "fake"]

@@ -165,6 +165,7 @@ def check(
     ref = reference if reference is not None else _under_reference(fn)
     case = _Case(fn, ref, args, rtol, atol, batch_size, seed)
     report = Report()
+    _outputs(case)
     for name in TRANSFORMS:
         if name not in transforms:
             continue
@@ -306,10 +307,14 @@ def _compare_tensors(case: _Case, transform: str, got: Sequence[Any], want: Sequ
 # ---- the transforms ---------------------------------------------------------------------
 
 
-def _check_eager(case: _Case) -> None:
+def _outputs(case: _Case) -> None:
+    """Both eager outputs, which every transform compares with (run even when eager is not checked)."""
     case.want = case.ref(*case.args)  # a reference that raises: the program is wrong, let it raise
     with _running("eager"):
         case.got = case.fn(*case.args)
+
+
+def _check_eager(case: _Case) -> None:
     _compare(case, "eager", case.got, case.want)
 
 
