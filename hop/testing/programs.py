@@ -32,6 +32,7 @@ __all__ = [
     "BINARY",
     "SIDES",
     "PREDICATES",
+    "INDICES",
     "COMBINES",
     "Expr",
     "Var",

@@ -89,3 +89,17 @@ def test_scan_jvp_of_an_empty_scan_with_a_boolean_mask() -> None:
         return hop.scan(lambda c, r: (c + r[r > 0].sum(), r), y.sum(0), y)
 
     check(program, torch.zeros(0, 3), transforms=["eager", "jvp"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=CheckFailure,
+    reason="jvp of a map over length 0: the empty tangent is float64 for a float32 input, because the length-0 "
+    "path shapes the differentiated body on fake 0-dim slices, where the Python scalar 0.1 promotes the "
+    "tangent; open, the fix lies in the same length-0 path of the jvp rule as the scan case above.",
+)
+def test_map_jvp_of_an_empty_map_keeps_the_tangent_dtype() -> None:
+    def program(y: torch.Tensor) -> Any:
+        return hop.map(lambda r: r * 0.1, y)
+
+    check(program, torch.zeros(0), transforms=["eager", "jvp"])
