@@ -405,10 +405,25 @@ def transform(
 ) -> Any:
     """torch.func.grad / jvp: as :func:`autograd`, with the tensors this transform tracks that
     the body closes over made explicit inputs of the node (see :func:`lift_transform_closures`)."""
-    if not runs_inline(xs[0].shape[0], init, xs, additional):
+    n = xs[0].shape[0]
+    if not runs_inline(n, init, xs, additional):
         body, extra = lift_transform_closures(body, interpreter.level())
         additional = (*additional, *extra)
+        if type(n) is int and n == 0:
+            return _empty_here(L, body, init, xs, additional)
     return autograd(L, body, init, xs, additional, reverse)
+
+
+def _empty_here(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> Any:
+    """A loop of length 0 at this transform's level: the carries pass through (their
+    tangents and gradients with them) and the empty ``ys`` are shaped by the body
+    itself, run on plain stand-ins (never on its derivative, which may not fake)."""
+
+    def stand_ins(values: Sequence[Any]) -> list[Any]:
+        return [torch.empty(v.shape, dtype=v.dtype, device=v.device) if isinstance(v, _Tensor) else v for v in values]
+
+    shaped = as_tuple(_empty(L, body, stand_ins(init), stand_ins(xs), stand_ins(additional)))
+    return pack([*(c.clone() for c in init), *shaped[len(init) :]])
 
 
 def lift_transform_closures(body: Fn, level: int) -> tuple[Fn, list[Any]]:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 import hop
-from hop.testing import CheckFailure, check
+from hop.testing import check
 
 
 def test_associative_scan_jvp_of_an_empty_scan() -> None:
@@ -76,29 +75,20 @@ def test_closure_sizes_in_symbolic_make_fx() -> None:
     check(program, torch.ones(3, 2), torch.ones(3, 2), transforms=["eager", "make_fx_symbolic"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckFailure,
-    reason="jvp of a scan over length 0: the jvp rule shapes the empty ys by running the differentiated "
-    "combine_fn on fake tensors, where its data-dependent op (a boolean mask) cannot be guarded; eager and "
-    "autograd shape them from combine_fn itself. Open: the fix lies in the length-0 path of the jvp rule "
-    "(_looping.transform / _empty); computing it there needs fake copies of functorch-wrapped tensors.",
-)
 def test_scan_jvp_of_an_empty_scan_with_a_boolean_mask() -> None:
+    """jvp of a length-0 scan shaped its ys by faking the differentiated combine_fn, where a
+    boolean mask cannot be guarded; now the body itself is run on plain stand-ins."""
+
     def program(y: torch.Tensor) -> Any:
         return hop.scan(lambda c, r: (c + r[r > 0].sum(), r), y.sum(0), y)
 
     check(program, torch.zeros(0, 3), transforms=["eager", "jvp"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckFailure,
-    reason="jvp of a map over length 0: the empty tangent is float64 for a float32 input, because the length-0 "
-    "path shapes the differentiated body on fake 0-dim slices, where the Python scalar 0.1 promotes the "
-    "tangent; open, the fix lies in the same length-0 path of the jvp rule as the scan case above.",
-)
 def test_map_jvp_of_an_empty_map_keeps_the_tangent_dtype() -> None:
+    """jvp of a length-0 map gave a float64 tangent for a float32 input (the differentiated
+    body promoted on 0-dim fake slices); now the ys carry no tangent of their own."""
+
     def program(y: torch.Tensor) -> Any:
         return hop.map(lambda r: r * 0.1, y)
 
