@@ -422,7 +422,10 @@ def _empty_here(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], ad
     def stand_ins(values: Sequence[Any]) -> list[Any]:
         return [torch.empty(v.shape, dtype=v.dtype, device=v.device) if isinstance(v, _Tensor) else v for v in values]
 
-    shaped = as_tuple(_empty(L, body, stand_ins(init), stand_ins(xs), stand_ins(additional)))
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    with temporarily_clear_interpreter_stack():  # the stand-ins are plain: so is their run
+        shaped = as_tuple(_empty(L, body, stand_ins(init), stand_ins(xs), stand_ins(additional)))
     return pack([*(c.clone() for c in init), *shaped[len(init) :]])
 
 

@@ -89,7 +89,7 @@ LIMITATIONS: list[tuple[str, type[BaseException], str, str]] = [
     (
         "vmap",
         IndexError,
-        r"^The shape of the mask .* does not match",
+        r"^(The shape of the mask .* does not match|too many indices for tensor of dimension)",
         "torch.vmap: a boolean mask of a zero-size tensor",
     ),
 ]

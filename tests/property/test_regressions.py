@@ -93,3 +93,30 @@ def test_map_jvp_of_an_empty_map_keeps_the_tangent_dtype() -> None:
         return hop.map(lambda r: r * 0.1, y)
 
     check(program, torch.zeros(0), transforms=["eager", "jvp"])
+
+
+def test_jvp_of_an_empty_scan_whose_body_nests_a_cond() -> None:
+    """Found by the long profile: shaping a length-0 scan under jvp ran the body at the jvp
+    level, where a nested cond on fake stand-ins hit a functorch level assert."""
+
+    def program(x: torch.Tensor) -> Any:
+        def step(c: torch.Tensor, r: torch.Tensor) -> Any:
+            y = r * c
+            return c + r, hop.cond(y.sum() > 0, lambda a: y, lambda a: y, (y,))
+
+        return hop.scan(step, x.sum(0), x)[1]
+
+    assert "jvp" in check(program, torch.zeros(0), transforms=["eager", "jvp"]).ran
+
+
+def test_jvp_of_a_cond_over_an_empty_map_of_loops() -> None:
+    """Found by the long profile: a length-0 map under jvp, inside a cond, whose body is a
+    while_loop with an int counter (tangent of a non-differentiable carry; an int in a jvp)."""
+
+    def program(x: torch.Tensor) -> Any:
+        def rows(a: torch.Tensor) -> Any:
+            return hop.map(lambda r: hop.while_loop(lambda i, v: i < 0, lambda i, v: (i + 1, v), (0, r))[1], a)
+
+        return hop.cond(x.sum() > 0, lambda a: a, rows, (x,))
+
+    assert "jvp" in check(program, torch.zeros(0), transforms=["eager", "jvp"]).ran
