@@ -27,6 +27,7 @@ __all__ = [
     "is_dynamo_compiling",
     "outside_dynamo",
     "place",
+    "jvp",
 ]
 
 _Tensor = torch.Tensor
@@ -125,3 +126,15 @@ def place(values: Sequence[Any], at: Sequence[int], new: Sequence[Any]) -> list[
     for i, v in zip(at, new, strict=True):
         full[i] = v
     return full
+
+
+def jvp(fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
+    """``torch.func.jvp``, with every output tangent in its output's dtype (torch gives
+    ``x * 0.5`` on a 0-dim float32 ``x`` a float64 tangent, which would make branches
+    or iterations disagree)."""
+    out, t_out = torch.func.jvp(fn, tuple(primals), tuple(tangents))[:2]
+    cast = tuple(
+        t.to(o.dtype) if isinstance(t, torch.Tensor) and isinstance(o, torch.Tensor) and t.dtype != o.dtype else t
+        for o, t in zip(out, t_out, strict=True)
+    )
+    return out, cast

@@ -324,7 +324,7 @@ def _jvp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
         def on_diff(*d: Any) -> Any:
             return as_tuple(fn(*_transforms.place(primals, diff, d)))
 
-        out, tout = torch.func.jvp(on_diff, tuple(primals[i] for i in diff), tuple(tangents))[:2]
+        out, tout = _transforms.jvp(on_diff, [primals[i] for i in diff], tangents)
         return (*out, *tout)
 
     jvp_branch.__qualname__ = f"jvp_{getattr(fn, '__qualname__', 'branch')}"

@@ -762,7 +762,7 @@ def _jvp_body(body: Fn, counts: tuple[int, int, int], dc: list[int], dx: list[in
             return as_tuple(body(*c, *xx, *_transforms.place(additional, da, d[len(dc) + len(dx) :])))
 
         primals = (*[carry[i] for i in dc], *[x[i] for i in dx], *[additional[i] for i in da])
-        out, t_out = torch.func.jvp(on_diff, primals, (*t_carry, *t_x, *t_add))[:2]
+        out, t_out = _transforms.jvp(on_diff, primals, (*t_carry, *t_x, *t_add))
         return (*out[:nc], *[t_out[i] for i in dc], *out[nc:], *[t_out[nc + j] for j in dy])
 
     jvp_step.__qualname__ = f"jvp_{getattr(body, '__qualname__', 'body')}"

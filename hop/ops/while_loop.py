@@ -533,13 +533,13 @@ class _LoopFunction(torch.autograd.Function):
                     ext[i] = v
                 return as_tuple(body_fn(*full, *ext))
 
-            out, t_out = torch.func.jvp(
+            out, t_out = _transforms.jvp(
                 on_diff, (*[primal[i] for i in diff], *[ex[i] for i in d_extra]), (*tan, *ex_t)
-            )[:2]
+            )
             return (*out, *[t_out[i] for i in diff])
 
         res = as_tuple(while_loop_op(jvp_cond, jvp_body, (*carried, *t_carry), (*extra, *t_extra)))
-        t_full = [torch.zeros_like(x) if isinstance(x, torch.Tensor) else None for x in res[:n]]
+        t_full = [torch.zeros_like(x) if _differentiable(x) else None for x in res[:n]]
         for j, i in enumerate(diff):
             t_full[i] = res[n + j]
         return t_full[0] if ctx.single else tuple(t_full)

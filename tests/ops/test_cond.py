@@ -232,6 +232,19 @@ def test_jvp(program: Any) -> None:
     check_jvp(fn, ref, inputs)
 
 
+def test_traced_jvp_keeps_tangent_dtypes_when_torch_promotes_one() -> None:
+    # torch.func.jvp gives `a * 0.5` on a 0-dim float32 `a` a float64 tangent; the
+    # branches' tangents must still agree
+    def fn(x: torch.Tensor, p: torch.Tensor) -> Any:
+        return torch.func.jvp(lambda a: hop.cond(p, lambda b: b, lambda b: b * 0.5, (a,)), (x,), (torch.ones(()),))
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.tensor(1.0), torch.tensor(True))
+    for p, want in ((True, 1.0), (False, 0.5)):
+        _, tangent = gm(torch.tensor(1.0), torch.tensor(p))
+        assert tangent.dtype == torch.float32
+        torch.testing.assert_close(tangent, torch.tensor(want))
+
+
 def test_torch_func_family() -> None:
     x = torch.tensor([0.3, -0.2, 0.9], dtype=torch.float64)
 
