@@ -361,13 +361,16 @@ def dense(
     if n == 0:
         return _empty(L, body, init, xs, additional)
     nc = len(init)
-    columns = [x.unbind(0) for x in xs]
-    carry: Sequence[Any] = tuple(init)
+    # Note [traced bodies see contiguous values]
+    traced = isinstance(body, torch.fx.GraphModule)
+    columns = [(x.contiguous() if traced else x).unbind(0) for x in xs]
+    carry: Sequence[Any] = tuple(c.contiguous() for c in init) if traced else tuple(init)
     ys: list[Any] = [None] * n
     for i in range(n - 1, -1, -1) if reverse else range(n):
         out = as_tuple(body(*carry, *[c[i] for c in columns], *additional))
-        carry, ys[i] = out[:nc], out[nc:]
+        carry, ys[i] = (tuple(c.contiguous() for c in out[:nc]) if traced else out[:nc]), out[nc:]
     stacked = [torch.stack(col) for col in zip(*ys, strict=True)]
+    carry = [c.contiguous() for c in carry]  # as the fake rule says
     return pack([*no_alias(carry, [*init, *xs, *additional]), *stacked])
 
 
@@ -381,7 +384,7 @@ def _empty(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additio
 
     metas = on_fake(L, body, [*init, *additional], run)
     ys = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype, device in metas]
-    return pack([*(c.clone() for c in init), *ys])
+    return pack([*(c.clone(memory_format=torch.contiguous_format) for c in init), *ys])
 
 
 def autograd(
@@ -555,10 +558,19 @@ def _check_same_size_every_step(
         )
 
 
+# Note [traced bodies see contiguous values]
+# A body traced into a graph bakes in the layout of the values it was traced on:
+# `reshape` becomes `view` on a contiguous carry. It is traced on contiguous carries
+# and slices, and when the dense rule runs a traced body (an exported program) it
+# hands it contiguous carries and slices too, whatever layout the previous
+# iteration produced. A Python body needs neither (nothing is baked in).
+
+
 def examples(init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> list[Any]:
     """Fresh values to trace a body on (the carry must not alias closed-over tensors, nor
     two carries each other), and the additional inputs."""
-    return [*(torch.empty_like(c) for c in init), *empty_slices(xs, [0] * len(xs)), *additional]
+    carries = (torch.empty_like(c, memory_format=torch.contiguous_format) for c in init)
+    return [*carries, *empty_slices(xs, [0] * len(xs)), *additional]
 
 
 def proxy(

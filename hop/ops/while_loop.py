@@ -214,6 +214,10 @@ def _run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[An
     """Note [loops run inline]: the Python loop at the current level, masked where the
     condition is batched by an enclosing vmap."""
     carry = tuple(carry)
+    if isinstance(body_fn, torch.fx.GraphModule):  # Note [traced bodies see contiguous values] (_looping)
+        carry = _contiguous(carry)
+        body = body_fn
+        body_fn = lambda *a: _contiguous(as_tuple(body(*a)))  # noqa: E731
     while True:
         pred = _truth(cond_fn(*carry, *additional))
         if type(pred) is bool or not _is_batched(pred):
@@ -225,6 +229,10 @@ def _run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[An
             return carry
         new = as_tuple(body_fn(*carry, *additional))
         carry = tuple(_freeze(pred, n, o) for n, o in zip(new, carry, strict=True))
+
+
+def _contiguous(values: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in values)
 
 
 def _is_batched(t: torch.Tensor) -> bool:
@@ -395,7 +403,10 @@ def while_loop_proxy(
             _NAME, body_fn, tuple(carried_inputs), tuple(additional_inputs), shape_env, fresh=False
         )
         # fresh tensors: a body may also read the tensor the loop starts from (a closure)
-        templates = tuple(torch.empty_like(t) if isinstance(t, torch.Tensor) else t for t in templates)
+        templates = tuple(
+            torch.empty_like(t, memory_format=torch.contiguous_format) if isinstance(t, torch.Tensor) else t
+            for t in templates
+        )
     (cond_graph, body_graph), lifted = _subgraph.trace_branches([cond_fn, body_fn], (*templates, *additional_inputs))
     _check_cond_graph(cond_graph, cond_fn)
     _check_body_graph(body_graph, body_fn)

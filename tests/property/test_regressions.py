@@ -120,3 +120,23 @@ def test_jvp_of_a_cond_over_an_empty_map_of_loops() -> None:
         return hop.cond(x.sum() > 0, lambda a: a, rows, (x,))
 
     assert "jvp" in check(program, torch.zeros(0), transforms=["eager", "jvp"]).ran
+
+
+def test_traced_scan_body_sees_the_layout_it_was_traced_with() -> None:
+    """Found by the long profile: a traced body bakes `reshape` as `view` on the contiguous
+    carry it was traced with, while later iterations passed a non-contiguous carry (the
+    result of a nested scan along the last dim). Traced bodies now get contiguous values."""
+
+    def program(x: torch.Tensor) -> Any:
+        def inner(s: torch.Tensor) -> torch.Tensor:
+            c, ys = hop.scan(lambda c, r: (c + r, r * c), s.sum(-1), s, dim=-1)
+            return ys + c.unsqueeze(-1)  # type: ignore[no-any-return]
+
+        def step(c: torch.Tensor, r: torch.Tensor) -> Any:
+            t = c + r
+            return inner(t * t.reshape(-1).amax()), r * c
+
+        c, ys = hop.scan(step, x.sum(0), x)
+        return ys + c.unsqueeze(0)
+
+    assert "make_fx_fake" in check(program, torch.rand(2, 2, 2), transforms=["eager", "make_fx_fake", "export"]).ran
