@@ -311,16 +311,20 @@ def _rebound_callable(fn: Callable[..., Any], subs: dict[int, Any]) -> Callable[
 
 
 def convert_closures(
-    fns: Sequence[Callable[..., Any]], operands: Sequence[Any]
+    fns: Sequence[Callable[..., Any]], operands: Sequence[Any], level: int | None = None
 ) -> tuple[list[Callable[..., Any]], list[torch.Tensor]]:
-    """The tensors ``fns`` read from their closures that need grad (and are not
-    operands already), and ``fns`` taking them as extra trailing inputs
+    """The tensors ``fns`` read from their closures that a derivative must reach (they
+    require grad, or a torch.func grad / jvp transform at ``level`` tracks them) and
+    that are not operands already, and ``fns`` taking them as extra trailing inputs
     (Note [closure conversion]); ``fns`` unchanged when there are none."""
-    captured = [
-        t
-        for t in closure_tensors(fns)
-        if t.requires_grad and (t.is_floating_point() or t.is_complex()) and not any(t is x for x in operands)
-    ]
+    from torch._C._functorch import is_gradtrackingtensor, maybe_get_level
+
+    def tracked(t: torch.Tensor) -> bool:
+        if level is not None and is_gradtrackingtensor(t) and maybe_get_level(t) == level:
+            return True
+        return t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+    captured = [t for t in closure_tensors(fns) if tracked(t) and not any(t is x for x in operands)]
     if not captured:
         return list(fns), []
     return [with_closure_as_inputs(fn, captured) for fn in fns], captured

@@ -379,10 +379,10 @@ class _BranchFunction(torch.autograd.Function):
         return touts[0] if ctx.single else tuple(touts)
 
 
-def _as_node(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+def _as_node(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any], level: int | None = None) -> Any:
     """One autograd node; tensors the branches read from their closures and that need
     grad become inputs too (Note [closure conversion] in hop._subgraph)."""
-    branches, captured = _subgraph.convert_closures(branches, operands)
+    branches, captured = _subgraph.convert_closures(branches, operands, level)
     operands = (*operands, *captured)
     return _BranchFunction.apply(b, sel, tuple(branches), *operands)  # type: ignore[no-untyped-call]
 
@@ -391,7 +391,7 @@ def grad_or_jvp(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn]
     """torch.func.grad / jvp: inline for a concrete selector, else the autograd node."""
     if _transforms.is_concrete(sel):
         return inline(b, sel, branches, operands)
-    return _as_node(b, sel, branches, operands)
+    return _as_node(b, sel, branches, operands, interpreter.level())
 
 
 def vmap(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:

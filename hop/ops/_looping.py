@@ -434,15 +434,11 @@ def _empty_here(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], ad
 
 def lift_transform_closures(body: Fn, level: int) -> tuple[Fn, list[Any]]:
     """The tensors wrapped by the torch.func grad / jvp transform at ``level`` that ``body``
-    closes over (found by :func:`hop._subgraph.closure_tensors`), and ``body`` taking them as
-    extra trailing inputs that replace them. A traced node is differentiated with respect to
-    its inputs only: without this, their gradients would silently be zero."""
-    from torch._C._functorch import is_gradtrackingtensor, maybe_get_level
-
-    found = [t for t in _subgraph.closure_tensors([body]) if is_gradtrackingtensor(t) and maybe_get_level(t) == level]
-    if not found:
-        return body, []
-    return _subgraph.with_closure_as_inputs(body, found), found
+    closes over, and ``body`` taking them as extra trailing inputs that replace them
+    (:func:`hop._subgraph.convert_closures`). A traced node is differentiated with respect
+    to its inputs only: without this, their gradients would silently be zero."""
+    (body,), found = _subgraph.convert_closures([body], (), level)
+    return body, found
 
 
 def lift_closures(body: Fn, examples: Callable[[], Sequence[Any]]) -> tuple[Fn, list[Any]]:

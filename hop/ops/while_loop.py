@@ -283,11 +283,13 @@ def _loop_is_concrete(carried: Sequence[Any], additional: Sequence[Any]) -> bool
     return _transforms.no_modes() and all(_transforms.is_real(x) for x in (*carried, *additional))
 
 
-def _inline_or_node(cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any]) -> Any:
+def _inline_or_node(
+    cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], level: int | None = None
+) -> Any:
     """Autograd, grad and jvp: Note [loops run inline] when concrete, else one autograd node."""
     if _loop_is_concrete(carried, additional):
         return while_loop_dense(cond_fn, body_fn, carried, additional)
-    return _as_node(cond_fn, body_fn, carried, additional)
+    return _as_node(cond_fn, body_fn, carried, additional, level)
 
 
 # --- the raw op and its rules -----------------------------------------------------------------
@@ -312,14 +314,14 @@ def while_loop_autograd(
 def while_loop_grad(
     interpreter: Any, cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
 ) -> Any:
-    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs)
+    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs, interpreter.level())
 
 
 @while_loop_op.py_impl(TransformType.Jvp)
 def while_loop_jvp(
     interpreter: Any, cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
 ) -> Any:
-    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs)
+    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs, interpreter.level())
 
 
 @while_loop_op.py_impl(TransformType.Vmap)
@@ -626,10 +628,12 @@ def _device(values: Sequence[Any]) -> torch.device:
     return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
 
-def _as_node(cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any]) -> Any:
+def _as_node(
+    cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], level: int | None = None
+) -> Any:
     """One autograd node; what the functions close over and need grad for becomes
     additional inputs (Note [closure conversion] in hop._subgraph)."""
-    (cond_fn, body_fn), captured = _subgraph.convert_closures([cond_fn, body_fn], [*carried, *additional])
+    (cond_fn, body_fn), captured = _subgraph.convert_closures([cond_fn, body_fn], [*carried, *additional], level)
     additional = (*additional, *captured)
     apply: Callable[..., Any] = _LoopFunction.apply
     return apply(cond_fn, body_fn, len(carried), *carried, *additional)

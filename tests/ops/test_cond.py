@@ -232,6 +232,24 @@ def test_jvp(program: Any) -> None:
     check_jvp(fn, ref, inputs)
 
 
+def test_jvp_wrt_a_closure_inside_vmap_with_a_batched_pred() -> None:
+    # the jvp transform tracks w, which the branches only close over
+    w, t = torch.randn(3), torch.randn(3)
+    xs, ps = torch.randn(4, 3), torch.tensor([True, False, True, False])
+
+    def tangent(x: torch.Tensor, p: torch.Tensor) -> Any:
+        def f(w: torch.Tensor) -> Any:
+            return hop.cond(p, lambda a: (a * w).sin(), lambda a: (a * w).cos(), (x,))
+
+        return torch.func.jvp(f, (w,), (t,))[1]
+
+    def ref(x: torch.Tensor, p: torch.Tensor) -> Any:
+        return torch.func.jvp(lambda w: (x * w).sin() if p else (x * w).cos(), (w,), (t,))[1]
+
+    want = torch.stack([ref(xs[i], ps[i]) for i in range(4)])
+    torch.testing.assert_close(torch.vmap(tangent)(xs, ps), want)
+
+
 def test_traced_jvp_keeps_tangent_dtypes_when_torch_promotes_one() -> None:
     # torch.func.jvp gives `a * 0.5` on a 0-dim float32 `a` a float64 tangent; the
     # branches' tangents must still agree

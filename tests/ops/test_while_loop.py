@@ -339,6 +339,28 @@ def test_traced_reverse_mode(mode: str) -> None:
             torch.testing.assert_close(got, want)
 
 
+def test_jvp_wrt_a_closure_inside_vmap_with_a_batched_condition() -> None:
+    w, t = torch.tensor(0.9), torch.tensor(1.0)
+    xs = torch.tensor([[0.5, 1.0], [2.0, 3.0], [9.0, 9.0]])
+
+    def tangent(x: torch.Tensor) -> Any:
+        def f(w: torch.Tensor) -> Any:
+            return hop.while_loop(lambda y: y.sum() < 10, lambda y: (y * w + 1.0,), (x,))[0]
+
+        return torch.func.jvp(f, (w,), (t,))[1]
+
+    def ref(x: torch.Tensor) -> Any:
+        def g(w: torch.Tensor) -> torch.Tensor:
+            y = x
+            while y.sum() < 10:
+                y = y * w + 1.0
+            return y
+
+        return torch.func.jvp(g, (w,), (t,))[1]
+
+    torch.testing.assert_close(torch.vmap(tangent)(xs), torch.stack([ref(x) for x in xs]))
+
+
 def test_traced_torch_func_grad_and_vmap_of_grad() -> None:
     def loss(a: torch.Tensor) -> torch.Tensor:
         return halve(a).sin().sum()  # type: ignore[no-any-return]
