@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import FunctionType, MethodType
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -42,8 +44,14 @@ __all__ = [
 Fn = Callable[..., Any]
 _Tensor = torch.Tensor
 
+
+class NotValidatable(Exception):
+    """The callables cannot be checked ahead of time (recursion through hop operators)."""
+
+
 # Errors that mean "this callable cannot run on fake tensors", not "it is wrong".
 CANNOT_FAKE = (
+    NotValidatable,
     DataDependentOutputException,
     DynamicOutputShapeException,
     UnsupportedOperatorException,
@@ -134,15 +142,100 @@ def remember(key: Any) -> None:
 
 @contextlib.contextmanager
 def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
-    """Static-shape fake copies of ``leaves``, inside their (quiet) fake mode."""
+    """Static-shape fake copies of ``leaves``, inside their fake mode, isolated from
+    the caller's world (Note [validation is invisible])."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in leaves]
-    # torch logs a traceback when a meta kernel fails; here that is the verdict, not news.
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    previous = logger.level
-    logger.setLevel(logging.CRITICAL)
+    with _isolated(), mode, _FakeClosures(mode):
+        yield fake
+
+
+# Note [validation is invisible]
+# The validate-once run executes the user's callables on fake tensors inside the
+# caller's ambient state; nothing of it may be seen but the error it raises:
+# - tensors the callables close over are real: a torch-function mode hands every
+#   torch call fake copies of them (memoized, so a write is seen by later reads),
+#   or FakeTensorMode would run ops with only real inputs for real (an in-place
+#   update of a closed-over counter would land);
+# - autocast stays on (so dtypes are checked as they will run) but its cast cache
+#   is off, or fake casts of real weights would be served to later real ops;
+# - saved-tensor hooks (torch.utils.checkpoint counts saved tensors) and the JIT
+#   tracer must not see the run;
+# - a callable that calls its own operator recursively (a factorial) cannot be
+#   checked ahead of time: past a nesting depth the run gives up, as for a
+#   data-dependent callable (NotValidatable), and the real call decides;
+# - torch's fake-tensor logger reports failing meta kernels; the failure is the
+#   verdict here, so a filter of hop's own drops those records in this thread
+#   only (the logger's level, a process-wide setting, is never touched).
+
+
+_MAX_NESTING = 16
+_LOCAL = threading.local()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+@contextlib.contextmanager
+def _isolated() -> Iterator[None]:
+    tracing_state = torch._C._get_tracing_state()
+    cast_cache = torch.is_autocast_cache_enabled()
+    set_tracing_state: Callable[[Any], None] = torch._C._set_tracing_state  # type: ignore[attr-defined]
+    set_tracing_state(None)
+    torch.set_autocast_cache_enabled(False)
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
-        with mode:
-            yield fake
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            yield
     finally:
-        logger.setLevel(previous)
+        _LOCAL.depth -= 1
+        torch.set_autocast_cache_enabled(cast_cache)
+        set_tracing_state(tracing_state)
+
+
+class _QuietWhileValidating(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_LOCAL, "depth", 0)
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietWhileValidating())
+
+
+class _FakeClosures(torch.overrides.TorchFunctionMode):
+    """Every real tensor a torch call receives becomes its fake copy (Note [validation is invisible])."""
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        super().__init__()
+        self.mode = mode
+        self.nesting = 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        hop_op = isinstance(func, torch._ops.HigherOrderOperator)
+
+        def fake(x: Any) -> Any:
+            if type(x) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not x.is_meta:
+                return self.mode.from_tensor(x, static_shapes=True)
+            if hop_op and callable(x) and not isinstance(x, torch.Tensor):
+                return self._inside(x)  # a nested operator's callables close over real tensors too
+            return x
+
+        args, kwargs = pytree.tree_map(fake, (tuple(args), kwargs or {}))
+        if not hop_op:
+            return func(*args, **kwargs)
+        if self.nesting >= _MAX_NESTING:
+            raise NotValidatable(f"hop operators nested more than {_MAX_NESTING} deep")
+        self.nesting += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.nesting -= 1
+
+    def _inside(self, fn: Fn) -> Fn:
+        def in_mode(*a: Any) -> Any:
+            with self:
+                return fn(*a)
+
+        return functools.wraps(fn)(in_mode) if isinstance(fn, FunctionType) else in_mode

@@ -1,0 +1,178 @@
+"""The validate-once run is invisible: the first call behaves as every later one.
+
+Each test builds its callables inside the test, so the first call really validates
+(the verdict cache is keyed on their code and closures); ``hop.config.validate =
+"always"`` makes every call validate, the strictest setting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+import hop
+from hop import _validation
+
+
+@pytest.fixture(autouse=True)
+def always_validate() -> Iterator[None]:
+    previous = hop.config.validate
+    hop.config.validate = "always"
+    yield
+    hop.config.validate = previous
+
+
+def _calls(lin: torch.nn.Module) -> dict[str, Callable[[torch.Tensor], Any]]:
+    """One first call per operator that reads ``lin`` from its closure."""
+    return {
+        "cond": lambda x: hop.cond(x.sum() > 0, lambda v: lin(v), lambda v: lin(v) * 2, (x,)),
+        "switch": lambda x: hop.switch(torch.tensor(1), [lambda v: lin(v), lambda v: lin(v) * 2], (x,)),
+        # a loop's carry keeps its dtype, under autocast too
+        "while_loop": lambda x: hop.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, lin(v).to(v.dtype)), (0, x))[1],
+        "fori_loop": lambda x: hop.fori_loop(0, 2, lambda i, v: lin(v).to(v.dtype), x),
+        "map": lambda x: hop.map(lambda v: lin(v), x.unsqueeze(0))[0],
+        "scan": lambda x: hop.scan(lambda c, v: (lin(c).to(c.dtype), c), x, x.unsqueeze(0))[0],
+    }
+
+
+@pytest.mark.parametrize("op", list(_calls(torch.nn.Identity())))
+def test_autocast_first_call_returns_real_tensors(op: str) -> None:
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4).abs()
+    with torch.autocast("cpu", torch.bfloat16):
+        out = _calls(lin)[op](x)
+        after = lin(x)  # autocast's cast cache must hold no fake weight
+        want = _calls(lin)[op](x)
+    assert not isinstance(out, FakeTensor)
+    assert not isinstance(after, FakeTensor)
+    assert out.dtype == (torch.bfloat16 if op in ("cond", "switch", "map") else torch.float32)
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("op", list(_calls(torch.nn.Identity())))
+def test_checkpoint_around_a_first_call(op: str) -> None:
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(_calls(lin)[op], x, use_reentrant=False)
+    y.sum().backward()
+    assert x.grad is not None
+    want = torch.autograd.grad(_calls(lin)[op](x).sum(), x)[0]
+    torch.testing.assert_close(x.grad, want)
+
+
+def test_jit_trace_of_a_first_call() -> None:
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return hop.cond(x.sum() > 0, lambda v: self.lin(v).sin(), lambda v: self.lin(v).cos(), (x,))
+
+    m = M()
+    x = torch.randn(2, 4).abs()
+    traced = torch.jit.trace(m, (x,), check_trace=False)
+    torch.testing.assert_close(traced(x), m.lin(x).sin())
+
+
+def test_closed_over_buffer_updated_in_place_by_cond() -> None:
+    count = torch.zeros(())
+
+    def taken(x: torch.Tensor) -> torch.Tensor:
+        count.add_(1)
+        return x + 1
+
+    def untaken(x: torch.Tensor) -> torch.Tensor:
+        count.add_(10)
+        return x - 1
+
+    hop.cond(torch.tensor(True), taken, untaken, (torch.ones(2),))
+    assert count.item() == 1
+    hop.switch(torch.tensor(1), [untaken, taken], (torch.ones(2),))
+    assert count.item() == 2
+
+
+def test_closed_over_buffer_updated_in_place_by_loops() -> None:
+    count = torch.zeros(())
+
+    def body(i: int, v: torch.Tensor) -> tuple[int, torch.Tensor]:
+        count.add_(1)
+        return i + 1, v
+
+    hop.while_loop(lambda i, v: i < 2, body, (0, torch.ones(2)))
+    assert count.item() == 2
+
+    def step(c: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count.add_(1)
+        return c + x, c
+
+    hop.scan(step, torch.zeros(2), torch.ones(3, 2))
+    assert count.item() == 5
+    hop.map(lambda x: count.add_(1) * 0 + x, torch.ones(4, 2))
+    assert count.item() == 9
+
+
+def test_running_statistic_of_a_module_is_updated_once() -> None:
+    bn = torch.nn.BatchNorm1d(4)
+    x = torch.randn(8, 4)
+    hop.cond(torch.tensor(True), lambda v: bn(v), lambda v: bn(v) * 0, (x,))
+    assert int(bn.num_batches_tracked) == 1
+    plain = torch.nn.BatchNorm1d(4)
+    plain(x)
+    torch.testing.assert_close(bn.running_mean, plain.running_mean)
+
+
+def test_recursive_branch_computes_like_python() -> None:
+    def factorial(n: torch.Tensor) -> torch.Tensor:
+        return hop.cond(n <= 1, lambda m: torch.ones_like(m), lambda m: m * factorial(m - 1), (n,))
+
+    torch.testing.assert_close(factorial(torch.tensor(5.0)), torch.tensor(120.0))
+    torch.testing.assert_close(factorial(torch.tensor(1.0)), torch.tensor(1.0))
+
+
+def test_recursion_does_not_hide_a_real_mismatch() -> None:
+    with pytest.raises(hop.errors.HopError, match=r"dtype float32 vs float64"):
+        hop.cond(torch.tensor(True), lambda v: v, lambda v: v.double(), (torch.ones(2),))
+
+
+def test_fake_tensor_logger_is_left_as_the_user_set_it() -> None:
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    before = logger.level
+    seen: list[int] = []
+
+    def first_call(k: int) -> None:
+        x = torch.ones(3)
+        # nonzero cannot run on fake tensors: the validation run's failure is logged by torch
+        hop.cond(torch.tensor(k % 2 == 0), lambda v: v.nonzero().sum() + v, lambda v: v, (x,))
+        seen.append(logger.level)
+
+    threads = [threading.Thread(target=first_call, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert logger.level == before
+    assert seen == [before] * 8
+
+
+def test_records_outside_validation_still_reach_the_logger(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    with caplog.at_level(logging.WARNING, logger="torch._subclasses.fake_tensor"):
+        logger.warning("user-visible")
+    assert "user-visible" in caplog.text
+
+
+def test_nothing_leaks_after_validation() -> None:
+    x = torch.randn(3)
+    hop.cond(torch.tensor(True), lambda v: v + 1, lambda v: v - 1, (x,))
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert not torch._C._is_torch_function_mode_enabled()
+    assert torch.is_autocast_cache_enabled()
+    assert torch._C._get_tracing_state() is None
+    assert getattr(_validation._LOCAL, "depth", 0) == 0
