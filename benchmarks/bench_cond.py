@@ -57,6 +57,49 @@ def steady_state(quick: bool) -> None:
     report("steady-state eager, 8 floats", rows, baseline="python: true_fn(x) if p else false_fn(x)")
 
 
+def with_grad() -> None:
+    """The cost of giving the untaken branch's tensors zero gradients (the node hop
+    attaches when the branches read something that requires grad), beside a Python ``if``."""
+    x = torch.randn(8, requires_grad=True)
+    p = torch.tensor(True)
+
+    def py_if() -> torch.Tensor:
+        return true_fn(x) if p else false_fn(x)
+
+    def hop_cond() -> torch.Tensor:
+        return hop.cond(p, true_fn, false_fn, (x,))
+
+    rows = [
+        ("python if, x requires grad: forward", per_call_us(py_if)),
+        ("hop.cond, x requires grad: forward", per_call_us(hop_cond)),
+        ("python if, x requires grad: forward+backward", per_call_us(lambda: py_if().sum().backward(), number=500)),
+        ("hop.cond, x requires grad: forward+backward", per_call_us(lambda: hop_cond().sum().backward(), number=500)),
+    ]
+    report("grad enabled, operand requires grad, 8 floats", rows, baseline=rows[0][0])
+    back = rows[2:]
+    report("  (forward+backward against its Python twin)", back, baseline=back[0][0])
+    lin_t, lin_f = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    y = torch.randn(8)  # data needs no grad; the branches' parameters do (the DDP case)
+
+    def py_mod() -> torch.Tensor:
+        return lin_t(y) if p else lin_f(y)
+
+    def hop_mod() -> torch.Tensor:
+        return hop.cond(p, lambda a: lin_t(a), lambda a: lin_f(a), (y,))
+
+    rows = [
+        (
+            "python if over two Linear(8, 8): forward+backward",
+            per_call_us(lambda: py_mod().sum().backward(), number=500),
+        ),
+        (
+            "hop.cond over two Linear(8, 8): forward+backward",
+            per_call_us(lambda: hop_mod().sum().backward(), number=500),
+        ),
+    ]
+    report("parameters in the branches' closures", rows, baseline=rows[0][0])
+
+
 def first_call(quick: bool) -> None:
     x = torch.randn(8)
     p = torch.tensor(True)
@@ -115,6 +158,7 @@ def main() -> None:
     torch.set_num_threads(1)
     quick = "--quick" in sys.argv
     steady_state(quick)
+    with_grad()
     first_call(quick)
     if not quick:
         export_time()

@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import (
 )
 
 from hop import debug
-from hop.errors import MissingRuleError, UnsupportedModeError, format_message
+from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
 
 if TYPE_CHECKING:
     from hop._operator import HigherOrderOperator
@@ -176,6 +176,8 @@ def _plain_kernel(op: HigherOrderOperator, args: tuple[Any, ...]) -> Kernel | No
                 return None
     if not seen or (on_cpu and on_meta):
         return None
+    if grad and _closures_need_grad([], args):  # the Autograd route differentiates what they read
+        return None
     key = _K.CPU if on_cpu else _K.Meta
     return op._hop_kernels.get(key) or _kernel(op, key)
 
@@ -257,7 +259,7 @@ def _functorch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str,
 
 def _autograd(op: HigherOrderOperator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensors = tensors_in((args, kwargs))
-    if not _grad_enabled() or not (any(t.requires_grad for t in tensors) or _traced_closures_need_grad(tensors, args)):
+    if not _grad_enabled() or not (any(t.requires_grad for t in tensors) or _closures_need_grad(tensors, args)):
         _record(op, key, "below-autograd")
         with _BelowAutograd():
             return redispatch(op, args, kwargs)
@@ -266,13 +268,11 @@ def _autograd(op: HigherOrderOperator, key: DispatchKey, args: tuple[Any, ...], 
     return kernel(*args, **kwargs)
 
 
-def _traced_closures_need_grad(tensors: list[torch.Tensor], args: tuple[Any, ...]) -> bool:
-    """Whether, on fake or traced tensors, a callable argument reads a tensor that
-    requires grad from its closure: then the autograd rule runs, to differentiate
-    it (Note [closure conversion]). Real tensors need no check: there the operators
-    run their callables inline, where autograd sees what they read."""
-    if not _mode_stack_len() and all(type(t) is _Tensor for t in tensors):
-        return False
+def _closures_need_grad(tensors: list[torch.Tensor], args: tuple[Any, ...]) -> bool:
+    """Whether a callable argument reads a tensor that requires grad from its
+    closure: then the autograd rule runs, to differentiate it (Note [closure
+    conversion]; on real tensors the rules run the callables inline, where autograd
+    sees what they read, but only if the Autograd route is taken at all)."""
     from hop._subgraph import closure_tensors
 
     fns = [a for arg in args for a in (arg if type(arg) in _SEQUENCES else (arg,)) if callable(a)]
@@ -295,7 +295,9 @@ def _python(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, An
         elif getattr(mode, "supports_higher_order_operators", False):
             _record(op, _K.Python, "mode.__torch_dispatch__", None, type(mode).__name__)
             with _pop_mode_temporarily() as popped:
-                return popped.__torch_dispatch__(op, [], args, kwargs)
+                result = popped.__torch_dispatch__(op, [], args, kwargs)
+            if result is not NotImplemented:  # else: the tensor subclasses, as for a rule
+                return result
         else:
             raise _unsupported_mode(op, mode)
     seen: list[type] = []
@@ -323,13 +325,33 @@ def _python(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, An
         result = handler(*call_args, **kwargs)
         if result is not NotImplemented:
             return result
-    raise MissingRuleError(
+    raise _all_not_implemented(op, mode, seen)
+
+
+def _all_not_implemented(op: HigherOrderOperator, mode: Any, seen: list[type]) -> HopRuntimeError:
+    """Nothing at the Python key handled the call: the active mode (its rule or its
+    ``__torch_dispatch__``) and every tensor subclass returned NotImplemented."""
+    name = op.name()
+    subclasses = ", ".join(c.__qualname__ for c in seen) or "none"
+    if mode is None:
+        return MissingRuleError(
+            format_message(
+                name,
+                f"every rule for the tensor subclasses ({subclasses}) returned NotImplemented",
+                fix="Make one of them handle the operator.",
+            ),
+            op=name,
+        )
+    mode_name = type(mode).__qualname__
+    return UnsupportedModeError(
         format_message(
-            op.name(),
-            f"every rule for the active mode ({type(mode).__name__ if mode else None}) and the tensor "
-            f"subclasses ({', '.join(c.__qualname__ for c in seen) or 'none'}) returned NotImplemented",
+            name,
+            f"the active TorchDispatchMode {mode_name} returned NotImplemented for this operator "
+            f"and no tensor subclass argument ({subclasses}) handled it",
+            fix=f"Handle it in {mode_name}.__torch_dispatch__ (`return func(*args, **kwargs)` runs it "
+            f"as usual), or register a rule with @torch.ops.hop.{name}.py_impl({mode_name}).",
         ),
-        op=op.name(),
+        op=name,
     )
 
 

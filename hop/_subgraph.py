@@ -40,6 +40,7 @@ __all__ = [
     "leaf_meta",
     "check_same_outputs",
     "trace_subgraph",
+    "trace_example",
     "trace_branches",
     "closure_tensors",
     "emit",
@@ -223,10 +224,32 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
         return proxy_tensor.make_fx(fn, tracing_mode="real")(*args)
 
 
+# Note [bodies are traced on values they can see]
+# A loop body is traced on fresh tensors, never on the carries themselves (a body
+# may also read the loop's initial tensor through a closure, and two carries must
+# not alias). Fake and meta values carry no data: an empty tensor serves. Under
+# make_fx(tracing_mode="real") the body's ops run for real while it is traced, and
+# so does a loop nested in it: on uninitialized memory its trip count would be
+# arbitrary (tracing could hang). A real value is therefore copied: the carry the
+# loop starts from (the first slice, for a scan) is what the first iteration sees.
+
+
+def trace_example(value: Any) -> Any:
+    """A fresh contiguous tensor standing for ``value`` while a loop body is traced
+    (Note [bodies are traced on values they can see]); non-tensors are returned as is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    from hop._transforms import is_plain_tensor
+
+    if is_plain_tensor(value):  # real data
+        return value.detach().clone(memory_format=torch.contiguous_format)
+    return torch.empty_like(value, memory_format=torch.contiguous_format)
+
+
 def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]:
     """Tensors the callables may read without receiving them: in closure cells, bound
-    ``self``, referenced globals and partial arguments, including the parameters and
-    buffers of modules found there (searched ``depth`` levels deep).
+    ``self``, referenced globals, default arguments and partial arguments, including
+    the parameters and buffers of modules found there (searched ``depth`` levels deep).
 
     A static over-approximation, for eager paths that must differentiate with respect
     to what a function closes over (traced paths lift exactly, Note [closure lifting]).
@@ -257,6 +280,8 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
                 value = obj.__globals__.get(name)
                 if isinstance(value, (torch.Tensor, torch.nn.Module, FunctionType)):
                     visit(value, level + 1)
+            for value in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
+                visit(value, level + 1)  # captured as a default: lambda a, w=w: a @ w
         elif isinstance(obj, MethodType):
             visit(obj.__func__, level)
             visit(obj.__self__, level + 1)
@@ -466,7 +491,15 @@ def trace_branches(
 def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nodes: list[torch.fx.Node]) -> None:
     """Tensor constants a branch made (``torch.tensor(2.0)``) become constants of the
     parent graph, passed in as lifted values: torch.export lifts and saves a
-    top-level constant, not one inside a subgraph."""
+    top-level constant, not one inside a subgraph.
+
+    The placeholder's example is a fake of a *copy* of the constant: ``from_tensor``
+    memoizes, and the branch's own ``lift_fresh_copy`` of the constant already holds
+    the fake of the constant itself; sharing its storage would make the in-place
+    ``detach_`` that ``torch.tensor`` records read as a write to this input. The
+    attribute is deleted from the subgraph: torch.export turns every tensor
+    attribute of a submodule into a buffer of the program."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import track_tensor_tree
 
     parent, fake_mode = outer.fx_tracer, outer.fake_tensor_mode
@@ -478,7 +511,11 @@ def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nod
             continue
         name = parent.get_fresh_qualname("_tensor_constant")
         setattr(parent.root, name, value)
-        example = fake_mode.from_tensor(value, static_shapes=True) if fake_mode is not None else value
+        example = value
+        if fake_mode is not None and not isinstance(value, FakeTensor):
+            with unset_fake_temporarily():
+                copy = value.clone()
+            example = fake_mode.from_tensor(copy, static_shapes=True)
         track_tensor_tree(example, parent.create_proxy("get_attr", name, (), {}), constant=value, tracer=parent)
         anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
         with gm.graph.inserting_before(anchor):
@@ -487,6 +524,8 @@ def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nod
         placeholder.meta["val"] = example
         node.replace_all_uses_with(placeholder)
         gm.graph.erase_node(node)
+        if not any(n.op == "get_attr" and n.target == node.target for n in gm.graph.nodes):
+            _delete_attr(gm, str(node.target))
         lifted.append(example)
         nodes.append(placeholder)
     gm.recompile()
@@ -497,6 +536,12 @@ def _attr(root: torch.nn.Module, target: str) -> Any:
     for atom in target.split("."):
         obj = getattr(obj, atom)
     return obj
+
+
+def _delete_attr(root: torch.nn.Module, target: str) -> None:
+    *path, last = target.split(".")
+    owner = _attr(root, ".".join(path)) if path else root
+    delattr(owner, last)
 
 
 def _same_value(a: Any, b: Any) -> bool:

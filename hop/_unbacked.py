@@ -356,6 +356,9 @@ def _fixpoint(
         ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else nullcontext()
         with ignore:
             out = as_tuple(body_fn(*current, *additional))
+        # the raw op's body is not checked by the user function: one output per carry, of its kind
+        roles = ("carried_inputs", "body_fn")
+        _subgraph.check_same_outputs(op, roles, (current, out), root="carry", fns=(None, body_fn))
         grew = False
         for k, (c, o) in enumerate(zip(current, out, strict=True)):
             new = _changes(c, o) - varying[k]

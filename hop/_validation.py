@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
-from hop import config
+from hop import _subgraph, config
 from hop.errors import HopValueError, format_message
 
 __all__ = [
@@ -58,14 +58,19 @@ CANNOT_FAKE = (
     GuardOnDataDependentSymNode,
 )
 
-_VERDICTS: dict[Any, None] = {}
+_VERDICTS: dict[Any, set[Any]] = {}
 
 
 def value_key(v: Any) -> Any:
-    """What a verdict depends on of a closed-over value or a leaf."""
+    """What a verdict depends on of a closed-over value or a leaf. A number counts by
+    its type only: a loop counter a branch closes over changes on every call, and
+    what a new value could change of the output is caught by the per-call output
+    check (Note [outputs are checked on every call]), not by validating again."""
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.ndim, v.get_device())
-    if v is None or type(v) in (int, float, bool, str):
+    if type(v) in (int, float, bool):
+        return type(v)
+    if v is None or type(v) is str:
         return (type(v), v)
     return id(v)
 
@@ -133,11 +138,79 @@ def is_known(key: Any) -> bool:
     return mode == "never" or (mode == "once" and key in _VERDICTS)
 
 
-def remember(key: Any) -> None:
-    """Record a passed validation, starting over when the cache is full."""
+def remember(key: Any, kind: Any = None) -> None:
+    """Record a passed validation and the kind of output it found (None: no branch
+    could run on fake tensors), starting over when the cache is full."""
     if len(_VERDICTS) >= config.validation_cache_size:
         _VERDICTS.clear()
-    _VERDICTS[key] = None
+    _VERDICTS[key] = set() if kind is None else {kind}
+
+
+def forget(key: Any) -> None:
+    _VERDICTS.pop(key, None)
+
+
+# Note [outputs are checked on every call]
+# A verdict is keyed on what can be read cheaply before a call (code, closure
+# cells, operand metadata), but a callable's output can change without its key
+# changing: new __defaults__, a global, an attribute of a closed-over object. So a
+# verdict also holds the output kinds it validated (structure; per leaf its type,
+# or a tensor's dtype, rank and device) and every eager call compares what the
+# chosen callable returned with them: ``kind in kinds``, a hash and a compare. A
+# new kind is validated again under the current state (autocast, say, legitimately
+# changes dtypes), so it is either a valid new kind, remembered beside the old,
+# or an error: never a result that differs from what was checked.
+
+
+def output_kind(out: Any) -> Any:
+    """What a verdict records of an output (Note [outputs are checked on every call])."""
+    if isinstance(out, _Tensor):
+        return (out.dtype, out.ndim, out.get_device())
+    leaves, spec = _subgraph.flatten(out)
+    return (
+        spec,
+        *[
+            (x.dtype, x.ndim, x.get_device()) if isinstance(x, torch.Tensor) else _SCALAR.get(type(x), type(x))
+            for x in leaves
+        ],
+    )
+
+
+# A fake run returns a symbolic number where the real run returns a Python one.
+_SCALAR: dict[type, type] = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
+
+
+def describe_kind(value: Any, *, kind: bool = False) -> str:
+    """An output (or, with ``kind``, an output kind) in words, for error messages."""
+    k = value if kind else output_kind(value)
+
+    def leaf(x: Any) -> str:
+        if isinstance(x, tuple):
+            dtype, ndim, device = x
+            where = "cpu" if device < 0 else f"device {device}"
+            return f"a {str(dtype).removeprefix('torch.')} tensor of rank {ndim} on {where}"
+        return f"a {x.__name__}"
+
+    if len(k) == 3 and isinstance(k[0], torch.dtype):
+        return leaf(k)
+    spec, *leaves = k
+    shown = ", ".join(leaf(x) for x in leaves)
+    return f"{spec.num_leaves} leaves in {_subgraph.unflatten(['*'] * spec.num_leaves, spec)!r} ({shown})"
+
+
+def known_kind(key: Any, out: Any) -> bool:
+    """Whether ``out`` is of a kind the verdict for ``key`` validated (the first kind
+    seen is taken when validation could not run the callables, or none is cached)."""
+    kinds = _VERDICTS.get(key)
+    if kinds is None:
+        return True  # validate="never", or the cache started over: nothing to compare with
+    kind = output_kind(out)
+    if kind in kinds:
+        return True
+    if not kinds:
+        kinds.add(kind)
+        return True
+    return False
 
 
 @contextlib.contextmanager
@@ -170,6 +243,7 @@ def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
 
 
 _MAX_NESTING = 16
+_hooks_enabled: Callable[[], bool] = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
 _LOCAL = threading.local()
 
 
@@ -186,7 +260,13 @@ def _isolated() -> Iterator[None]:
     torch.set_autocast_cache_enabled(False)
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        # torch.func transforms disable saved-tensor hooks (then no checkpoint can count either)
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+            if _hooks_enabled()
+            else contextlib.nullcontext()
+        )
+        with hooks:
             yield
     finally:
         _LOCAL.depth -= 1

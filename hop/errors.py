@@ -21,7 +21,10 @@ __all__ = [
     "MutationError",
     "UnsupportedModeError",
     "MissingRuleError",
+    "UnknownOperatorError",
+    "CompileUnsupported",
     "format_message",
+    "type_name",
 ]
 
 
@@ -43,6 +46,23 @@ def format_message(
     if fix:
         msg = msg.rstrip(".") + ". " + fix
     return msg
+
+
+def type_name(value: object) -> str:
+    """The name of ``value``'s type for a message: ``int``, ``Tensor``, ``numpy.bool``.
+
+    Builtins and torch's types keep their short name, and every tensor subclass
+    (a FakeTensor while tracing) reads ``Tensor``; any other type gets its module,
+    so that a ``numpy.bool_`` (whose ``__name__`` is ``"bool"``) does not read as
+    the Python ``bool`` a message may be asking for.
+    """
+    cls = type(value)
+    if any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in cls.__mro__):
+        return "Tensor"
+    module = cls.__module__
+    if module == "builtins" or module == "torch" or module.startswith("torch."):
+        return cls.__qualname__
+    return f"{module}.{cls.__qualname__}"
 
 
 class HopError(Exception):
@@ -98,3 +118,15 @@ class UnsupportedModeError(HopRuntimeError):
 
 class MissingRuleError(HopRuntimeError, NotImplementedError):
     """The operator has no rule for a dispatch key, mode, subclass or transform."""
+
+
+class UnknownOperatorError(HopError, LookupError):
+    """A name no hop operator has in this process (e.g. an unpickled program's op)."""
+
+
+class CompileUnsupported(HopRuntimeError):
+    """A feature that runs in eager but that ``torch.compile`` cannot capture into its graph.
+
+    With ``fullgraph=True`` (and in ``torch.export(strict=True)``) it is raised; without,
+    Dynamo breaks the graph with this message as the reason and the operator runs eagerly.
+    """

@@ -142,3 +142,36 @@ def test_clone_aliases() -> None:
     y = torch.randn(2)
     same = _subgraph.clone_aliases([y, y], [])
     assert same[0] is y and same[1] is not y  # an output aliasing an earlier output is cloned too
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_a_constant_a_branch_builds_becomes_a_pure_lifted_input(mode: str) -> None:
+    graphs: list[torch.fx.GraphModule] = []
+    lifted: list[object] = []
+
+    def outer(a: torch.Tensor) -> torch.Tensor:
+        (gm,), values = _subgraph.trace_branches([lambda b: b + torch.tensor([1.0, 2.0])], (a,))
+        graphs.append(gm)
+        lifted.extend(values)
+        return a + 1
+
+    make_fx(outer, tracing_mode=mode)(torch.randn(2))
+    (gm,) = graphs
+    assert len(lifted) == 1  # the constant, an input of the graph ...
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert not [name for name, _ in gm.named_buffers()] and not hasattr(gm, "_tensor_constant0")  # ... not an attribute
+    # torch.tensor records lift_fresh_copy then detach_ on the copy: not a write to the input
+    assert _subgraph.find_mutations_and_aliases(gm) == _subgraph.Effects((), ())
+    torch.testing.assert_close(gm(torch.ones(2), torch.tensor([1.0, 2.0])), torch.tensor([2.0, 3.0]))
+
+
+def test_trace_example_copies_real_values_and_not_fake_ones() -> None:
+    x = torch.arange(6.0).reshape(2, 3).t()  # not contiguous
+    copy = _subgraph.trace_example(x)
+    assert copy is not x and copy.is_contiguous() and torch.equal(copy, x)
+    assert copy.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        empty = _subgraph.trace_example(fake)
+    assert empty is not fake and empty.shape == fake.shape and empty.is_contiguous()
+    assert _subgraph.trace_example(3) == 3

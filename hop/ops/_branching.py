@@ -13,7 +13,8 @@ unbatched selector) then see the branch's own ops, which gives exact derivatives
 of every order and covers tensors the branch closes over. Only a selector that
 cannot be read (SymBool/SymInt, fake, functional, batched) keeps the operator as
 one node, with the rule that builds its derivative or batched version as new
-branches.
+branches. What the untaken branches read still gets a zero gradient: Note
+[untaken branches get zero gradients] in ``_zero_grads``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,16 @@ from hop import _subgraph, _transforms, config
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import Unifier, assert_ranges, dense_order, recording
-from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, format_message
+from hop.errors import (
+    HopRuntimeError,
+    HopTypeError,
+    HopValueError,
+    MutationError,
+    OutputMismatchError,
+    format_message,
+    type_name,
+)
+from hop.ops._zero_grads import only_vmap_levels, zero_untaken
 
 Fn = Callable[..., Any]
 
@@ -45,6 +55,13 @@ class Branching:
     index: Callable[[Any, int], int]  # concrete selector -> branch index (checked)
     masks: Callable[[Any, int], list[Any]]  # tensor selector -> one bool mask per branch
     roles: Callable[[int], tuple[str, ...]]
+    selector: str = "index"  # the selector's parameter name, for messages
+
+    def __post_init__(self) -> None:
+        BY_NAME[self.name] = self
+
+
+BY_NAME: dict[str, Branching] = {}
 
 
 # --- flat outputs ------------------------------------------------------------------------
@@ -80,11 +97,14 @@ class _Outputs:
         self.roles = b.roles(len(branches))
         self.first: tuple[int, Any] | None = None
         self.spec: _subgraph.TreeSpec | None = None
+        self.kind: Any = None  # Note [outputs are checked on every call] in hop._validation
 
     def record(self, k: int, out: Any, spec: _subgraph.TreeSpec) -> None:
+        _check_output_leaves(self.b, self.roles[k], self.fns[k], out)
         metas = _subgraph.unflatten([_subgraph.leaf_meta(x) for x in _subgraph.flatten(out)[0]], spec)
         if self.first is None:
             self.first, self.spec = (k, metas), spec
+            self.kind = validation.output_kind(out)
             return
         j, ref = self.first
         _subgraph.check_same_outputs(
@@ -126,24 +146,18 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
     for role, fn in zip(roles, branches, strict=True):
         if not callable(fn):
             raise HopTypeError(
-                format_message(b.name, f"{role} must be callable, got {type(fn).__name__}"), op=b.name, role=role
+                format_message(b.name, f"{role} must be callable, got {type_name(fn)}"), op=b.name, role=role
             )
-    if not isinstance(operands, (tuple, list)):
-        raise HopTypeError(
-            format_message(
-                b.name,
-                f"operands must be a tuple or list, got {type(operands).__name__}",
-                fix="Pass operands=(x,) for a single operand.",
-            ),
-            op=b.name,
-            role="operands",
-        )
+    check_operands(b.name, operands)
     leaves, in_spec = _subgraph.flatten(tuple(operands))
-    _check_leaves(b.name, operands, leaves)
     if _transforms.is_concrete(sel) and _transforms.in_plain_eager() and all(map(_plain_leaf, leaves)):
         k = b.index(sel, len(branches))
-        _validate(b, branches, operands, leaves, in_spec, k)
-        return no_alias_tree(branches[k](*operands), leaves)
+        key = _validate(b, branches, operands, leaves, in_spec, k)
+        out = branches[k](*operands)
+        if key is not None and not validation.known_kind(key, out):
+            check_new_kind(b, key, branches, operands, k, out)
+        out = no_alias_tree(out, leaves)
+        return zero_untaken(out, branches, leaves) if _grad_enabled() else out
     flat, outputs = flat_branches(b, branches, in_spec)
     out = as_tuple(b.call(sel, flat, leaves))
     assert outputs.spec is not None  # a branch ran (traced or fake)
@@ -152,6 +166,7 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
 
 MISS = object()
 _Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
 
 
 def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
@@ -169,28 +184,35 @@ def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, .
             return MISS
         return _run_unchecked(k, branches, operands)
     key = validation.flat_signature(name, branches, operands)
-    if key is None or key not in validation._VERDICTS:
+    kinds = validation._VERDICTS.get(key)
+    if kinds is None:
         return MISS
     out = branches[k](*operands)
-    if type(out) is _Tensor and not out._is_view():
-        for x in operands:
-            if out is x:
-                return out.clone()
-        return out
-    return no_alias_tree(out, operands)
+    if (type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds) and not (
+        validation.known_kind(key, out)
+    ):
+        check_new_kind(BY_NAME[name], key, branches, operands, k, out)
+    return finish_eager(out, branches, operands)
 
 
 def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
     for x in operands:
         if type(x) is not _Tensor:
             return MISS
-    out = branches[k](*operands)
+    return finish_eager(branches[k](*operands), branches, operands)
+
+
+def finish_eager(out: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """The chosen branch's ``out`` (from flat ``operands``) without aliases of them,
+    and with Note [untaken branches get zero gradients] when grad is enabled."""
     if type(out) is _Tensor and not out._is_view():
         for x in operands:
             if out is x:
-                return out.clone()
-        return out
-    return no_alias_tree(out, operands)
+                out = out.clone()
+                break
+    else:
+        out = no_alias_tree(out, operands)
+    return zero_untaken(out, branches, operands) if _grad_enabled() else out
 
 
 _ONCE = "once"
@@ -200,17 +222,61 @@ def _plain_leaf(x: Any) -> bool:
     return _transforms.is_plain_tensor(x) or type(x) is int
 
 
+def check_operands(name: str, operands: Any) -> None:
+    """``operands`` is a tuple or list of pytrees of tensors and ints (also on the
+    paths that run a branch directly, so a bare tensor is never unpacked row by row)."""
+    if not isinstance(operands, (tuple, list)):
+        raise HopTypeError(
+            format_message(
+                name,
+                f"operands must be a tuple or list, got {type_name(operands)}",
+                fix="Pass operands=(x,) for a single operand.",
+            ),
+            op=name,
+            role="operands",
+        )
+    for x in operands:
+        if type(x) is not _Tensor and type(x) is not int:  # else flat and plain: nothing to walk
+            _check_leaves(name, operands, _subgraph.flatten(tuple(operands))[0])
+            return
+
+
 def _check_leaves(name: str, operands: Any, leaves: Sequence[Any]) -> None:
     for path, leaf in zip(_subgraph.leaf_paths(tuple(operands), "operands"), leaves, strict=True):
         if not isinstance(leaf, (torch.Tensor, int, torch.SymInt)) or isinstance(leaf, bool):
             raise HopTypeError(
                 format_message(
                     name,
-                    f"{path} must be a tensor or an int, got {type(leaf).__name__}",
+                    f"{path} must be a tensor or an int, got {type_name(leaf)}",
                     fix="Close over other values in the branches instead of passing them as operands.",
                 ),
                 op=name,
                 role="operands",
+                path=path,
+            )
+
+
+def _output_leaf(x: Any) -> bool:
+    return x is None or (isinstance(x, (torch.Tensor, int, torch.SymInt)) and not isinstance(x, bool))
+
+
+def _check_output_leaves(b: Branching, role: str, fn: Fn, out: Any) -> None:
+    """A branch returns tensors, ints and Nones: anything else (a str, a float, a bool)
+    cannot be an output of a traced program (a number would be baked in as one branch's)."""
+    leaves = _subgraph.flatten(out)[0]
+    if all(map(_output_leaf, leaves)):
+        return
+    for path, leaf in zip(_subgraph.leaf_paths(out), leaves, strict=True):
+        if not _output_leaf(leaf):
+            raise HopTypeError(
+                format_message(
+                    b.name,
+                    f"{role} ({_subgraph.describe_fn(fn)}) returns {type_name(leaf)} {repr(leaf)[:40]} at {path}; "
+                    "branches return tensors and ints",
+                    fix="Return torch.tensor(value) for a number; close over other values instead of returning them.",
+                ),
+                op=b.name,
+                role=role,
                 path=path,
             )
 
@@ -228,12 +294,13 @@ def no_alias_tree(out: Any, operands: Sequence[Any]) -> Any:
 # --- validation once per signature ------------------------------------------------------------
 
 
-def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any, taken: int) -> None:
-    """Run every branch once on fake tensors to check they agree (see ``hop.config.validate``)."""
+def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any, taken: int) -> Any:
+    """Run every branch once on fake tensors to check they agree (see ``hop.config.validate``);
+    the verdict's key, None when validation is off."""
     key = validation.signature(b.name, branches, operands, leaves, spec)
     if validation.is_known(key):
-        return
-    flat, _ = flat_branches(b, branches, spec)
+        return None if config.validate == "never" else key
+    flat, outputs = flat_branches(b, branches, spec)
     roles = b.roles(len(branches))
     with validation.fake_inputs(leaves) as fake:
         for k in [taken] + [i for i in range(len(flat)) if i != taken]:
@@ -245,7 +312,7 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
                 raise
             except Exception as e:
                 if k == taken:
-                    return  # the real call will raise the real error
+                    return None  # the real call will raise the real error
                 raise HopRuntimeError(
                     format_message(
                         b.name,
@@ -255,7 +322,34 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
                     op=b.name,
                     role=roles[k],
                 ) from e
-    validation.remember(key)
+    validation.remember(key, outputs.kind)
+    return key
+
+
+def check_new_kind(b: Branching, key: Any, branches: Sequence[Fn], operands: Sequence[Any], k: int, out: Any) -> None:
+    """The chosen branch returned a kind of output its verdict has not seen (Note
+    [outputs are checked on every call]): validate again now; the output must be of
+    the kind that finds, else it differs from what the branches were checked to return."""
+    leaves, spec = _subgraph.flatten(tuple(operands))
+    before = validation._VERDICTS.get(key)
+    validation.forget(key)
+    _validate(b, branches, operands, leaves, spec, k)
+    if validation.known_kind(key, out):
+        validation._VERDICTS[key] |= before or set()
+        return
+    role = b.roles(len(branches))[k]
+    expected = next(iter(validation._VERDICTS.get(key) or {None}))
+    raise OutputMismatchError(
+        format_message(
+            b.name,
+            f"{role} ({_subgraph.describe_fn(branches[k])}) returned {validation.describe_kind(out)}, but run on "
+            f"fake tensors it returns {validation.describe_kind(expected, kind=True)}: its output depends on "
+            "something that is neither its code, its closure nor its operands",
+            fix=f"Make {role} return the same kind of value whatever it reads from outside (defaults, globals).",
+        ),
+        op=b.name,
+        role=role,
+    )
 
 
 # --- rules -----------------------------------------------------------------------------------
@@ -264,8 +358,25 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
 def dense(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Run the chosen branch; a meta selector runs all and needs them to agree."""
     if isinstance(sel, torch.Tensor) and sel.is_meta:
+        if any(isinstance(x, torch.Tensor) and not x.is_meta for x in operands):
+            raise _meta_selector(b, operands)
         return _run_all_and_merge(b, branches, operands, None)
     return no_alias(branches[b.index(sel, len(branches))](*operands), operands)
+
+
+def _meta_selector(b: Branching, operands: Sequence[Any]) -> HopValueError:
+    """A meta selector has no value: with real operands no branch can be chosen."""
+    device = next(x.device for x in operands if isinstance(x, torch.Tensor) and not x.is_meta)
+    role = b.selector
+    return HopValueError(
+        format_message(
+            b.name,
+            f"{role} is on the meta device (it has no value) but the operands are on {device}: no branch can be chosen",
+            fix=f"Put {role} on the operands' device, or make every operand a meta tensor for metadata only.",
+        ),
+        op=b.name,
+        role=role,
+    )
 
 
 def _run_all_and_merge(b: Branching, branches: Sequence[Fn], operands: Sequence[Any], shape_env: Any) -> Any:
@@ -286,9 +397,14 @@ def inline(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[An
 
 
 def autograd(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
-    """Concrete selector: inline. Otherwise one node whose backward / jvp are the op again."""
+    """Concrete selector: inline (Note [untaken branches get zero gradients] outside
+    torch.func transforms, which give unused inputs zeros themselves). Otherwise one
+    node whose backward / jvp are the op again."""
     if _transforms.is_concrete(sel):
-        return inline(b, sel, branches, operands)
+        out = inline(b, sel, branches, operands)
+        if _grad_enabled() and _transforms.functorch_level() is None:
+            out = zero_untaken(out, branches, _subgraph.flatten(tuple(operands))[0])
+        return out
     return _as_node(b, sel, branches, operands)
 
 
@@ -302,11 +418,15 @@ def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
 
     def vjp_branch(*args: Any) -> Any:
         primals, cts = list(args[:n]), args[n:]
+        kept: list[int] = []  # the differentiable outputs: vjp refuses integer ones
 
         def on_diff(*d: Any) -> Any:
-            return as_tuple(fn(*_transforms.place(primals, diff, d)))
+            out = as_tuple(fn(*_transforms.place(primals, diff, d)))
+            kept[:] = [i for i, o in enumerate(out) if _differentiable(o)]
+            return tuple(out[i] for i in kept) or (torch.zeros(()),)
 
         out, vjp_fn = torch.func.vjp(on_diff, *[primals[i] for i in diff])[:2]
+        cts = tuple(cts[i] for i in kept) or (None,)
         grads = vjp_fn(tuple(ct if ct is not None else torch.zeros_like(o) for o, ct in zip(out, cts, strict=True)))
         return grads[0] if len(grads) == 1 else tuple(grads)
 
@@ -402,7 +522,10 @@ def vmap(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], opera
     if sel_dim is not None:
         return _select_batched(b, sel, branches, operands)
     if _transforms.is_concrete(sel):
-        return inline(b, sel, branches, operands)
+        out = inline(b, sel, branches, operands)
+        if _grad_enabled() and only_vmap_levels():  # Note [untaken branches get zero gradients]
+            out = zero_untaken(out, branches, _subgraph.flatten(tuple(operands))[0])
+        return out
     unwrapped, dims = _transforms.unwrap_batched(operands, level)
     if all(d is None for d in dims):
         with interpreter.lower():

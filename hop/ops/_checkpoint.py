@@ -10,6 +10,11 @@ backpropagates through them. Peak memory: k + 1 checkpoints plus one segment's
 intermediates, about 2 sqrt(2n) carries (65 for n = 1024), instead of n; the
 price is one more forward pass. Gradients reach the initial carries and the
 tensors the functions close over (found by ``_subgraph.closure_tensors``).
+
+The backward pass is first-order only: the replayed segments are differentiated
+with ``torch.autograd.grad`` and their graphs freed. Under ``create_graph=True`` the
+gradients it returns carry a node whose backward raises (``_FirstOrderOnly``), so
+a second derivative says so instead of failing inside torch.
 """
 
 from __future__ import annotations
@@ -19,9 +24,27 @@ from typing import Any
 
 import torch
 
+from hop.errors import HopRuntimeError, HopTypeError, format_message, type_name
+
 Fn = Callable[..., Any]
 
-__all__ = ["run", "checkpoints"]
+__all__ = ["run", "checkpoints", "check_flag"]
+
+_NAME = "while_loop"
+
+
+def check_flag(checkpoint: Any) -> None:
+    """``checkpoint`` must be a bool: ``checkpoint="no"`` would read as true."""
+    if type(checkpoint) is not bool:
+        raise HopTypeError(
+            format_message(
+                _NAME,
+                f"checkpoint must be True or False, got {type_name(checkpoint)} {checkpoint!r}",
+                fix="Pass checkpoint=True for bounded-memory reverse mode, else leave it out.",
+            ),
+            op=_NAME,
+            role="checkpoint",
+        )
 
 
 def _differentiable(x: Any) -> bool:
@@ -74,8 +97,23 @@ class _CheckpointedLoop(torch.autograd.Function):
         return out[0] if n == 1 else out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # first-order only: a second derivative raises
     def backward(ctx: Any, *grads: Any) -> Any:
+        with torch.no_grad():
+            out = _CheckpointedLoop._grads(ctx, grads)
+        # create_graph=True: make a second derivative raise (the module docstring)
+        anchors = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not torch.is_grad_enabled() or not anchors:
+            return out
+        at = [i for i, g in enumerate(out) if isinstance(g, torch.Tensor)]
+        first_order: Callable[..., Any] = _FirstOrderOnly.apply
+        marked = first_order(len(at), *[out[i] for i in at], *anchors)
+        final = list(out)
+        for i, g in zip(at, marked, strict=True):
+            final[i] = g
+        return tuple(final)
+
+    @staticmethod
+    def _grads(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         saved = ctx.saved_tensors
         closures, flat = list(saved[: ctx.n_closures]), iter(saved[ctx.n_closures :])
         kept = []
@@ -93,6 +131,29 @@ class _CheckpointedLoop(torch.autograd.Function):
                 a if b is None else (b if a is None else a + b) for a, b in zip(g_closures, g_seg, strict=True)
             ]
         return (None, None, None, *g, *g_closures)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """``forward(n, *grads, *anchors)`` returns copies of the ``n`` grads, attached to
+    the anchors (tensors that require grad); differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx: Any, n: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t.clone() for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise HopRuntimeError(
+            format_message(
+                _NAME,
+                "the gradient of a loop run with checkpoint=True is first-order only: it cannot be "
+                "differentiated again (a second derivative after create_graph=True)",
+                fix="Use checkpoint=False (the default) for higher-order derivatives: that loop runs "
+                "inline and has exact derivatives of every order.",
+            ),
+            op=_NAME,
+            role="checkpoint",
+        )
 
 
 def _segment_grads(

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hop import _reference, config
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
-from hop._transforms import functorch_level, is_dynamo_compiling, mode_stack_len, outside_dynamo, tf_mode_enabled
+from hop._transforms import DYNAMO_CALL, functorch_level, is_dynamo_compiling, mode_stack_len, tf_mode_enabled
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.ops import _branching as br
 
@@ -30,6 +30,8 @@ _Tensor = torch.Tensor
 _BOOL = torch.bool
 _Function = FunctionType
 _ONCE = "once"
+_grad_enabled = torch.is_grad_enabled
+_INT_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 _VERDICTS = validation._VERDICTS
 
 
@@ -48,7 +50,8 @@ def cond(
 
     Args:
         pred: a Python bool (the branch just runs, like torch.cond), a SymBool, or
-            a one-element bool tensor.
+            a one-element tensor: bool, or a number taken as a Python ``if``
+            takes it (nonzero is true, as torch.cond and JAX), or a ``numpy.bool_``.
         true_fn, false_fn: callables taking ``*operands`` and returning pytrees of
             the same structure, with matching dtype, device and rank per leaf
             (sizes may differ: traced, they become unbacked sizes).
@@ -59,15 +62,18 @@ def cond(
     Autograd, ``torch.func`` (grad, jvp, vjp, jacrev, jacfwd, hessian) and vmap
     (also with a batched ``pred``: both branches run and ``torch.where``
     selects) work; make_fx and torch.export keep one ``torch.ops.hop.cond`` node.
+    The backward gives every differentiable tensor the branches read a gradient,
+    zeros for the untaken branch (as torch.cond; DDP needs no find_unused_parameters).
     """
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_cond(pred, true_fn, false_fn, operands)
-    if is_dynamo_compiling():
-        return outside_dynamo(cond, pred, true_fn, false_fn, operands)
+    if is_dynamo_compiling():  # Note [public functions under Dynamo]
+        return cond_op(DYNAMO_CALL, cond, pred, true_fn, false_fn, operands)
     if type(pred) is bool:
         for role, fn in (("true_fn", true_fn), ("false_fn", false_fn)):
             if not callable(fn):
                 raise HopTypeError(format_message("cond", f"{role} must be callable, got {type(fn).__name__}"))
+        br.check_operands("cond", operands)
         return true_fn(*operands) if pred else false_fn(*operands)
     if (
         type(pred) is _Tensor
@@ -84,6 +90,7 @@ def cond(
         if k >= 0:
             # The commonest call, long-hand: one tensor, two closure-free functions, a
             # validated signature (the key is validation.flat_signature's).
+            kinds = None
             if len(operands) == 1 and config.validate is _ONCE:
                 x = operands[0]
                 if (
@@ -92,17 +99,37 @@ def cond(
                     and type(false_fn) is _Function
                     and true_fn.__closure__ is None
                     and false_fn.__closure__ is None
-                    and ("cond", true_fn.__code__, false_fn.__code__, x.dtype, x.ndim, x.get_device()) in _VERDICTS
                 ):
+                    key = ("cond", true_fn.__code__, false_fn.__code__, x.dtype, x.ndim, x.get_device())
+                    kinds = _VERDICTS.get(key)
+                if kinds is not None:
                     out = (false_fn if k else true_fn)(x)
+                    # Note [outputs are checked on every call]
+                    if type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds:
+                        _check_kind(key, true_fn, false_fn, operands, k, out)
+                    if _grad_enabled():  # Note [untaken branches get zero gradients]
+                        return br.finish_eager(out, (true_fn, false_fn), operands)
                     if type(out) is _Tensor and out is not x and not out._is_view():
                         return out
                     return br.no_alias_tree(out, operands)
             out = br.eager_fast("cond", k, (true_fn, false_fn), operands)
             if out is not br.MISS:
                 return out
+    if _is_numpy_bool(pred):
+        return cond(bool(pred), true_fn, false_fn, operands)
     _check_pred(pred)
+    if isinstance(pred, torch.Tensor) and pred.dtype is not _BOOL:
+        pred = pred != 0  # a number's truth, as a Python if (the graph then holds a bool pred)
     return br.call(COND, pred, (true_fn, false_fn), operands)
+
+
+def _check_kind(key: Any, true_fn: Fn, false_fn: Fn, operands: tuple[Any, ...], k: int, out: Any) -> None:
+    if not validation.known_kind(key, out):
+        br.check_new_kind(COND, key, (true_fn, false_fn), operands, k, out)
+
+
+def _is_numpy_bool(pred: Any) -> bool:
+    return type(pred).__module__ == "numpy" and type(pred).__name__ in ("bool", "bool_")
 
 
 def _check_pred(pred: Any) -> None:
@@ -112,16 +139,16 @@ def _check_pred(pred: Any) -> None:
         raise HopTypeError(
             format_message(
                 "cond",
-                f"pred must be a bool, a SymBool or a one-element bool tensor, got {type(pred).__name__}",
+                f"pred must be a bool, a SymBool or a one-element tensor, got {type(pred).__name__}",
             ),
             op="cond",
             role="pred",
         )
-    if pred.dtype != torch.bool:
+    if not (pred.dtype.is_floating_point or pred.dtype.is_complex or pred.dtype in _INT_DTYPES):
         raise HopTypeError(
             format_message(
                 "cond",
-                f"pred must be a bool tensor, got dtype {str(pred.dtype).removeprefix('torch.')}",
+                f"pred must be a bool or number tensor, got dtype {str(pred.dtype).removeprefix('torch.')}",
                 fix="Compare it to something, e.g. pred=x.sum() > 0.",
             ),
             op="cond",
@@ -139,17 +166,20 @@ def _check_pred(pred: Any) -> None:
         )
 
 
-cond_op = HigherOrderOperator("cond", dynamo_traceable=True)  # Dynamo's cond handler fits
+cond_op = HigherOrderOperator("cond")
 
 
 def _index(pred: Any, n: int) -> int:
     if type(pred) is not _Tensor or pred.dtype is not _BOOL or pred.numel() != 1:
+        if _is_numpy_bool(pred):
+            return 0 if pred else 1
         _check_pred(pred)
-    return 0 if pred else 1
+    return 0 if pred else 1  # a number tensor's truth, as a Python if
 
 
 def _masks(pred: Any, n: int) -> list[Any]:
-    return [pred, ~pred]
+    mask = pred if pred.dtype is _BOOL else pred != 0
+    return [mask, ~mask]
 
 
 def _call(pred: Any, branches: Sequence[Callable[..., Any]], operands: Sequence[Any]) -> Any:
@@ -163,6 +193,7 @@ COND = br.Branching(
     index=_index,
     masks=_masks,
     roles=lambda n: ("true_fn", "false_fn"),
+    selector="pred",
 )
 
 Fn = Callable[..., Any]

@@ -14,20 +14,20 @@ from typing import Any
 import torch
 from torch._C import DispatchKey
 from torch._C._functorch import TransformType
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _reference
 from hop._operator import HigherOrderOperator
 from hop._transforms import (
+    DYNAMO_CALL,
     functorch_level,
     is_dynamo_compiling,
     is_plain_tensor,
     mode_stack_len,
-    outside_dynamo,
     tf_mode_enabled,
 )
-from hop.errors import HopTypeError, HopValueError, format_message
+from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _branching as br
 
 __all__ = ["switch", "switch_op"]
@@ -66,8 +66,8 @@ def switch(
     """
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_switch(index, branches, operands)
-    if is_dynamo_compiling():
-        return outside_dynamo(switch, index, branches, operands)
+    if is_dynamo_compiling():  # Note [public functions under Dynamo]
+        return switch_op(DYNAMO_CALL, switch, index, branches, operands)
     if (
         type(index) is _Tensor
         and type(operands) is tuple
@@ -98,7 +98,10 @@ def switch(
     if type(index) is int:  # a Python int: just run that branch, like cond's Python bool
         for role, fn in zip(SWITCH.roles(len(branches)), branches, strict=True):
             if not callable(fn):
-                raise HopTypeError(format_message("switch", f"{role} must be callable, got {type(fn).__name__}"))
+                raise HopTypeError(
+                    format_message("switch", f"{role} must be callable, got {type_name(fn)}"), op="switch", role=role
+                )
+        br.check_operands("switch", operands)
         return branches[_index(index, len(branches))](*operands)
     return br.call(SWITCH, index, tuple(branches), operands)
 
@@ -110,7 +113,7 @@ def _check_index(index: Any) -> None:
         raise HopTypeError(
             format_message(
                 "switch",
-                f"index must be an int, a SymInt or a one-element integer tensor, got {type(index).__name__}",
+                f"index must be an int, a SymInt or a one-element integer tensor, got {type_name(index)}",
             ),
             op="switch",
             role="index",
@@ -254,6 +257,10 @@ def switch_proxy(mode: ProxyTorchDispatchMode, index: Any, operands: Sequence[An
         _check(index >= 0)
         _check(index < n)
     elif isinstance(index, torch.Tensor):
+        known = index if not isinstance(index, FakeTensor) else index.constant  # a value known while tracing
+        if known is not None:
+            with unset_fake_temporarily():  # a real value: read it outside the fake mode
+                _index(known, n)  # out of range: a HopValueError now, as in eager (not the assert below)
         with mode:  # recorded in the graph: the exported program checks it at run time
             torch._assert_async((index >= 0) & (index < n), f"hop.switch: index out of range for {n} branches")
     return br.proxy(SWITCH, mode, index, branches, operands)

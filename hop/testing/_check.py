@@ -162,6 +162,7 @@ def check(
         CheckFailure: the first mismatch: transform, output path and values.
     """
     _check_arguments(fn, transforms, reference, skip)
+    _check_settings(skip, rtol, atol, batch_size)
     ref = reference if reference is not None else _under_reference(fn)
     case = _Case(fn, ref, args, rtol, atol, batch_size, seed)
     report = Report()
@@ -182,6 +183,13 @@ def check(
 
 
 def _check_arguments(fn: Any, transforms: Any, reference: Any, skip: Any) -> None:
+    if isinstance(transforms, str):  # would be read letter by letter
+        raise HopTypeError(
+            format_message(
+                _NAME, f"transforms must be a sequence of names, got {transforms!r}", fix=f"Pass ({transforms!r},)."
+            ),
+            op=_NAME,
+        )
     for role, value in (("fn", fn), ("reference", reference)):
         if value is not None and not callable(value):
             raise HopTypeError(format_message(_NAME, f"{role} must be callable, got {type(value).__name__}"), op=_NAME)
@@ -191,6 +199,28 @@ def _check_arguments(fn: Any, transforms: Any, reference: Any, skip: Any) -> Non
     if unknown:
         raise HopValueError(
             format_message(_NAME, f"unknown transform {unknown[0]!r}", fix=f"Choose from {', '.join(TRANSFORMS)}."),
+            op=_NAME,
+        )
+
+
+def _check_settings(skip: Any, rtol: Any, atol: Any, batch_size: Any) -> None:
+    if skip is not None and not isinstance(skip, Mapping):
+        raise HopTypeError(
+            format_message(
+                _NAME,
+                f"skip must be a mapping from transform to the reason it does not apply, got {type(skip).__name__}",
+                fix='Pass e.g. skip={"vmap": "why"}.',
+            ),
+            op=_NAME,
+        )
+    if (rtol is None) != (atol is None):
+        raise HopValueError(
+            format_message(_NAME, "rtol and atol go together (as in assert_close)", fix="Pass both or neither."),
+            op=_NAME,
+        )
+    if type(batch_size) is not int or batch_size < 1:
+        raise HopValueError(
+            format_message(_NAME, f"batch_size must be a positive int, got {batch_size!r}"),
             op=_NAME,
         )
 

@@ -224,6 +224,179 @@ def test_vmap_of_grad_and_jvp_wrt_a_closure_with_a_batched_pred() -> None:
     torch.testing.assert_close(t, torch.stack([(want[i] * tangent).sum() for i in range(4)]))
 
 
+# --- untaken branch gets zero gradients -------------------------------------------------------
+# Note [untaken branches get zero gradients]: every differentiable tensor either branch reads
+# gets a gradient, zeros for the untaken branch (as torch.cond and JAX), so that DDP needs no
+# find_unused_parameters.
+
+_G_TRUE, _G_FALSE = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+
+def _global_true(a: torch.Tensor) -> torch.Tensor:  # plain functions: hop.cond's long-hand fast path
+    return _G_TRUE(a).tanh()
+
+
+def _global_false(a: torch.Tensor) -> torch.Tensor:
+    return _G_FALSE(a).sin()
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hop.cond(x.sum() > 0, lambda v: self.a(v).relu(), lambda v: self.b(v) * 2, (x,))
+
+
+def _grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [p.grad for p in params]
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_untaken_module_attributes_get_zero_grads(taken: bool) -> None:
+    model = TwoHeads()
+    x = torch.randn(2, 3).abs() * (1 if taken else -1)
+    for _ in range(3):  # the first call validates, later ones take the fast paths
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        used, unused = (model.a, model.b) if taken else (model.b, model.a)
+        want = torch.autograd.grad((used(x).relu() if taken else used(x) * 2).sum(), list(used.parameters()))
+        for p, w in zip(used.parameters(), want, strict=True):
+            torch.testing.assert_close(p.grad, w)
+        for p in unused.parameters():
+            assert p.grad is not None and p.grad.layout == torch.strided and not p.grad.any()
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_untaken_globals_and_closure_cells_get_zero_grads(taken: bool) -> None:
+    x, w = torch.randn(2, 3), torch.randn(3, requires_grad=True)
+    params = [*_G_TRUE.parameters(), *_G_FALSE.parameters()]
+    for _ in range(3):
+        for t in (*params, w):
+            t.grad = None
+        hop.cond(torch.tensor(taken), _global_true, _global_false, (x,)).sum().backward()
+        hop.cond(torch.tensor(taken), lambda a: a * 2, lambda a: a * w, (x,)).sum().backward()
+        used, unused = (_G_TRUE, _G_FALSE) if taken else (_G_FALSE, _G_TRUE)
+        assert all(g is not None and not g.any() for g in _grads(list(unused.parameters())))
+        assert all(g is not None and g.abs().sum() > 0 for g in _grads(list(used.parameters())))
+        assert w.grad is not None and (not w.grad.any()) == taken
+
+
+def test_operand_the_taken_branch_ignores_gets_zeros() -> None:
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    for _ in range(3):
+        x.grad = y.grad = None
+        hop.cond(torch.tensor(True), lambda a, b: a.sin(), lambda a, b: b.cos(), (x, y)).sum().backward()
+        torch.testing.assert_close(x.grad, x.detach().cos())
+        assert y.grad is not None and not y.grad.any()
+
+
+def test_raw_op_gives_untaken_branch_zero_grads() -> None:
+    x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)  # x: the autograd rule runs
+    cond_op(torch.tensor(True), lambda a: a * 2, lambda a: a * w, (x,)).sum().backward()
+    assert w.grad is not None and not w.grad.any()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
+def test_constant_taken_branch_still_gives_zeros() -> None:
+    # as torch.cond: the output requires grad when anything the branches read does
+    lin, x = torch.nn.Linear(3, 3), torch.randn(2, 3)
+    out = hop.cond(torch.tensor(True), lambda a: torch.zeros(2, 3), lambda a: lin(a), (x,))
+    assert out.requires_grad
+    out.sum().backward()
+    assert lin.weight.grad is not None and not lin.weight.grad.any()
+
+
+def test_no_zero_grad_node_without_grad() -> None:
+    lin, x = torch.nn.Linear(3, 3), torch.randn(2, 3)
+    with torch.no_grad():
+        assert not hop.cond(torch.tensor(True), lambda a: a * 2, lambda a: lin(a), (x,)).requires_grad
+    out = hop.cond(torch.tensor(True), lambda a: a * 2, lambda a: a.sin(), (x,))  # nothing requires grad
+    assert out.grad_fn is None and not out.requires_grad
+
+
+def test_output_with_zero_grads_can_be_updated_in_place() -> None:
+    # the node returns detached aliases: a view returned by a custom Function forbids in-place updates
+    lin, x = torch.nn.Linear(3, 3), torch.randn(2, 3)
+    out = hop.cond(torch.tensor(True), lambda a: a * 2 + 1, lambda a: lin(a), (x,))
+    out.mul_(3)
+    out.sum().backward()
+    assert lin.weight.grad is not None and not lin.weight.grad.any()
+    w = torch.randn(3, requires_grad=True)
+    leaf = hop.cond(torch.tensor(True), lambda a: w, lambda a: a * w, (torch.randn(3),))
+    with torch.no_grad():
+        leaf.add_(1)  # a parameter returned as is comes out as a copy: w is not written
+    assert not torch.equal(leaf, w)
+
+
+def test_second_order_and_forward_mode_through_the_zero_grad_node() -> None:
+    x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    out = hop.cond(torch.tensor(True), lambda a: (a**3).sum(), lambda a: (a * w).sum(), (x,))
+    (g,) = torch.autograd.grad(out, x, create_graph=True)
+    torch.testing.assert_close(torch.autograd.grad(g.sum(), x)[0], 6 * x.detach())
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x.detach(), torch.ones(3))
+        res = hop.cond(torch.tensor(True), lambda a: a * 3, lambda a: a * w, (dual,))
+        torch.testing.assert_close(fwAD.unpack_dual(res).tangent, torch.full((3,), 3.0))
+
+
+def test_autograd_outside_vmap_gives_untaken_branch_zeros() -> None:
+    lin, w, x = torch.nn.Linear(3, 3), torch.randn(3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    out = torch.vmap(lambda v: hop.cond(torch.tensor(True), lambda a: a.sin(), lambda a: lin(a) * w, (v,)))(x)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, x.detach().cos())
+    assert all(t.grad is not None and not t.grad.any() for t in (lin.weight, lin.bias, w))
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_jit_trace_records_no_zero_grad_node() -> None:
+    model = TwoHeads()
+    traced = torch.jit.trace(model, (torch.ones(2, 3),), check_trace=False)
+    assert "PythonOp" not in str(traced.graph)
+
+
+def _two_weights_loss(x: torch.Tensor, p: torch.Tensor, wt: torch.Tensor, wf: torch.Tensor) -> torch.Tensor:
+    return hop.cond(p, lambda a, b: (a @ wt).sum(), lambda a, b: (b @ wf).sin().sum(), (x, x * 2))
+
+
+def test_torch_func_grad_agrees() -> None:
+    x, wt, wf = torch.randn(2, 3), torch.randn(3, 3), torch.randn(3, 3)
+    for taken in (True, False):
+        p = torch.tensor(taken)
+        got = torch.func.grad(_two_weights_loss, argnums=(0, 2, 3))(x, p, wt, wf)
+        leaves = [t.detach().requires_grad_() for t in (x, wt, wf)]
+        _two_weights_loss(leaves[0], p, leaves[1], leaves[2]).backward()
+        for g, leaf in zip(got, leaves, strict=True):
+            torch.testing.assert_close(g, leaf.grad)
+        assert not got[2 if taken else 1].any()
+
+
+def _two_weights_grads(x: torch.Tensor, p: torch.Tensor, wt: torch.Tensor, wf: torch.Tensor) -> Any:
+    x, wt, wf = (t.detach().requires_grad_() for t in (x, wt, wf))
+    return torch.autograd.grad(_two_weights_loss(x, p, wt, wf), (x, wt, wf))  # raises if one got None
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_traced_backward_gives_untaken_branch_zeros(mode: str) -> None:
+    x, wt, wf = torch.randn(2, 3), torch.randn(3, 3), torch.randn(3, 3)
+    gm = make_fx(_two_weights_grads, tracing_mode=mode)(x, torch.tensor(True), wt, wf)
+    for taken in (True, False):
+        got = gm(x, torch.tensor(taken), wt, wf)
+        for g, w in zip(got, _two_weights_grads(x, torch.tensor(taken), wt, wf), strict=True):
+            torch.testing.assert_close(g, w)
+        assert not got[2 if taken else 1].any()
+
+
+def test_grad_through_the_node_with_a_batched_pred_gives_zeros() -> None:
+    x, wt, wf = torch.randn(4, 2, 3), torch.randn(3, 3), torch.randn(3, 3)
+    ps = torch.tensor([True, True, True, True])  # batched: every branch runs, where() selects
+    grads = torch.vmap(torch.func.grad(_two_weights_loss, argnums=3), in_dims=(0, 0, None, None))(x, ps, wt, wf)
+    assert not grads.any()
+
+
 # --- jvp and the torch.func family ---------------------------------------------------------------
 
 
@@ -494,11 +667,11 @@ def test_pred_with_several_elements() -> None:
         hop.cond(torch.tensor([True, False]), lambda a: a, lambda a: a, (torch.ones(1),))
 
 
-def test_pred_of_the_wrong_dtype() -> None:
-    with pytest.raises(HopTypeError, match=r"^hop.cond: pred must be a bool tensor, got dtype float32"):
-        hop.cond(torch.tensor(1.0), lambda a: a, lambda a: a, (torch.ones(1),))
-    with pytest.raises(HopTypeError, match="pred must be a bool, a SymBool or a one-element bool tensor, got str"):
+def test_pred_of_the_wrong_type() -> None:
+    with pytest.raises(HopTypeError, match="pred must be a bool, a SymBool or a one-element tensor, got str"):
         hop.cond("yes", lambda a: a, lambda a: a, (torch.ones(1),))
+    with pytest.raises(HopTypeError, match="pred must be a bool, a SymBool or a one-element tensor, got NoneType"):
+        hop.cond(None, lambda a: a, lambda a: a, (torch.ones(1),))
 
 
 def test_branch_not_callable() -> None:
@@ -606,3 +779,16 @@ def test_vmap_batched_pred_with_in_place_updates_matches_python() -> None:
     want = torch.stack([t(y) if y.sum() >= 0 else y * 2 for y in ys])
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(xs, ys)
+
+
+# --- tracing bugs found by torch's own test suite ----------------------------------------------------------
+
+
+def builds_tensors(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # torch.tensor in a branch: no mutation
+    return hop.cond(p, lambda a: a + torch.tensor([1.0, 2.0, 3.0]), lambda a: a * torch.tensor([2.0, 3.0, 4.0]), (x,))
+
+
+def test_branches_building_tensors_from_python_data_trace_and_export() -> None:
+    inputs = [(torch.tensor(True), torch.randn(3)), (torch.tensor(False), torch.randn(3))]
+    check_make_fx(builds_tensors, cond_op, inputs[0], inputs)
+    check_export(Programs(builds_tensors), cond_op, inputs[0], inputs)

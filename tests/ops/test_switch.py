@@ -78,6 +78,76 @@ def test_jvp() -> None:
     check_jvp(program, reference, INPUTS)
 
 
+# --- untaken branches get zero gradients -------------------------------------------------------
+# Note [untaken branches get zero gradients]: every differentiable tensor a branch reads gets a
+# gradient, zeros for the branches not taken, so that DDP needs no find_unused_parameters.
+
+
+class Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(3, 3) for _ in range(3))
+
+    def forward(self, i: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return hop.switch(i, [lambda a, m=m: m(a).tanh() for m in self.experts], (x,))  # defaults capture
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_untaken_experts_get_zero_grads(k: int) -> None:
+    model, x = Experts(), torch.randn(2, 3)
+    for _ in range(3):  # the first call validates, later ones take the fast path
+        model.zero_grad(set_to_none=True)
+        model(torch.tensor(k), x).sum().backward()
+        for j, expert in enumerate(model.experts):
+            if j == k:
+                want = torch.autograd.grad(expert(x).tanh().sum(), list(expert.parameters()))
+                for p, w in zip(expert.parameters(), want, strict=True):
+                    torch.testing.assert_close(p.grad, w)
+            else:
+                assert all(p.grad is not None and not p.grad.any() for p in expert.parameters())
+
+
+def test_operand_and_closure_cell_the_taken_branch_ignores_get_zeros() -> None:
+    x, y, w = (torch.randn(3, requires_grad=True) for _ in range(3))
+    fns = [lambda a, b: a.sin(), lambda a, b: b * w, lambda a, b: a + b]
+    for _ in range(3):
+        x.grad = y.grad = w.grad = None
+        hop.switch(torch.tensor(0), fns, (x, y)).sum().backward()
+        torch.testing.assert_close(x.grad, x.detach().cos())
+        assert y.grad is not None and w.grad is not None and not y.grad.any() and not w.grad.any()
+
+
+def _experts_loss(i: torch.Tensor, x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    return hop.switch(i, [lambda a, w=w: (a @ w).sin().sum() for w in ws], (x,))
+
+
+def test_torch_func_grad_agrees() -> None:
+    x, ws = torch.randn(2, 3), [torch.randn(3, 3) for _ in range(3)]
+    for k in range(3):
+        got = torch.func.grad(lambda ws, k=k: _experts_loss(torch.tensor(k), x, ws))(ws)
+        leaves = [w.detach().requires_grad_() for w in ws]
+        _experts_loss(torch.tensor(k), x, leaves).backward()
+        for g, leaf in zip(got, leaves, strict=True):
+            torch.testing.assert_close(g, leaf.grad)
+        assert [bool(g.any()) for g in got] == [j == k for j in range(3)]
+
+
+def _experts_grads(i: torch.Tensor, x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> Any:
+    ws = [w.detach().requires_grad_() for w in (w0, w1, w2)]
+    return torch.autograd.grad(_experts_loss(i, x, ws), ws)  # raises if one got None
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_traced_backward_gives_untaken_branches_zeros(mode: str) -> None:
+    x, ws = torch.randn(2, 3), [torch.randn(3, 3) for _ in range(3)]
+    gm = make_fx(_experts_grads, tracing_mode=mode)(torch.tensor(0), x, *ws)
+    for k in range(3):
+        got = gm(torch.tensor(k), x, *ws)
+        for g, w in zip(got, _experts_grads(torch.tensor(k), x, *ws), strict=True):
+            torch.testing.assert_close(g, w)
+        assert [bool(g.any()) for g in got] == [j == k for j in range(3)]
+
+
 # --- vmap ---------------------------------------------------------------------------------------------
 
 

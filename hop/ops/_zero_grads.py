@@ -1,0 +1,196 @@
+"""Zero gradients for what the untaken branches of an eager cond/switch read.
+
+Note [untaken branches get zero gradients]
+In eager a cond or switch with a readable selector runs only the chosen branch
+(Note [eager branches run inline]), so autograd sees only the tensors that branch
+reads: the parameters of the other branches would get no gradient at all. DDP
+(``find_unused_parameters=False``) waits for a gradient of every parameter and
+otherwise leaves its bucket un-reduced, so ranks that took different branches
+silently diverge. torch.cond and JAX give every differentiable input of either
+branch a gradient, zeros where the taken branch did not use it; hop does too.
+
+After the chosen branch ran with grad enabled, its differentiable outputs pass
+through one :class:`_ZeroGrads` node whose other inputs are every operand and
+every tensor the branches close over (``hop._subgraph.closure_tensors``: cells,
+bound ``self``, globals, defaults, partials) that requires grad. Its backward
+passes the output gradients through unchanged and gives those tensors zeros: a
+stride-0 expanded scalar, which autograd adds to the real gradient where the
+taken branch used the tensor, and which AccumulateGrad copies into a dense
+``.grad`` laid out like the tensor where it did not. Only dense tensors (and
+parameters) get zeros: not tensor subclasses, such as the sharded DTensor
+parameters FSDP2 swaps back in after a sharded module's forward (they are not
+what the branch read, and FSDP2's reduction breaks on a gradient given to them).
+
+The node's outputs are detached aliases of the branch's outputs, not the outputs
+themselves: a tensor a custom Function returns unchanged becomes a view created
+in that Function, which forbids in-place updates. A detached alias shares the
+version counter, so an in-place update that breaks a saved tensor is caught as in
+plain Python. A leaf that requires grad (a parameter returned as is) is cloned.
+Under ``torch.jit.trace`` no node is added (it would be recorded as a Python op).
+
+The closure search is static: every parameter of a module a branch closes over
+(e.g. ``self``) gets a zero, even one neither branch uses. A traced call (a
+selector that cannot be read) needs none of this: its node's backward is the vjp
+of each branch with respect to every operand and converted closure tensor, and
+``torch.func.vjp`` fills zeros for the inputs a branch does not use. Inside
+torch.func grad / jvp transforms the eager path adds no node either: grad, vjp and
+jacrev give the inputs a function does not use zeros themselves. Inside vmap only
+(autograd outside it, ``torch.vmap(model)(x).sum().backward()``) the node is
+added and batched by its generated vmap rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import BuiltinFunctionType, FunctionType, ModuleType
+from typing import Any
+
+import torch
+from torch._C._functorch import TransformType
+
+from hop import _subgraph
+
+__all__ = ["zero_untaken"]
+
+_Tensor = torch.Tensor
+_Function = FunctionType
+_Module = torch.nn.Module
+_DENSE = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+_HOLDERS = (torch.Tensor, torch.nn.Module, FunctionType)  # globals that may lead to a tensor
+_PyModule = ModuleType
+_Builtin = BuiltinFunctionType  # torch.tanh and the like: C functions
+_tracing_state: Callable[[], Any] = torch._C._get_tracing_state
+_interpreter_stack: Callable[[], Any] = torch._C._functorch.get_interpreter_stack
+_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+
+def zero_untaken(out: Any, branches: Sequence[Callable[..., Any]], operands: Sequence[Any]) -> Any:
+    """``out``, the chosen branch's result, with its differentiable leaves passed
+    through the zero-gradient node when the branches read tensors that require grad
+    (Note [untaken branches get zero gradients]). ``operands`` are flat leaves;
+    the caller checked that grad mode is enabled. Every eager call with grad
+    enabled pays for the decision, so it is written out long-hand."""
+    plain = _close_over_nothing(branches)
+    if plain:
+        for x in operands:
+            if type(x) in _DENSE and x.requires_grad:
+                break
+        else:
+            return out
+    return _attach(out, branches, operands, plain)
+
+
+def _close_over_nothing(branches: Sequence[Callable[..., Any]]) -> bool:
+    """Builtins, and plain functions without closure cells or defaults whose globals
+    hold no tensor, module or function (the commonest case): nothing to search."""
+    for fn in branches:
+        if type(fn) is _Builtin and not isinstance(fn.__self__, _HOLDERS):  # not a tensor's bound method
+            continue
+        if type(fn) is not _Function or fn.__closure__ is not None or fn.__defaults__ or fn.__kwdefaults__:
+            return False
+        g = fn.__globals__
+        for name in fn.__code__.co_names:  # mostly attribute names (None) or `torch`
+            v = g.get(name)
+            if v is not None and type(v) is not _PyModule and isinstance(v, _HOLDERS):
+                return False
+    return True
+
+
+def _attach(out: Any, branches: Sequence[Callable[..., Any]], operands: Sequence[Any], plain: bool) -> Any:
+    if type(out) is _Tensor:
+        if not (out.is_floating_point() or out.is_complex()):
+            return out
+        leaves: list[Any] = [out]
+        spec = None
+    else:
+        leaves, spec = _subgraph.flatten(out)
+        if not any(_differentiable(o) for o in leaves):
+            return out
+    closure = () if plain else _subgraph.closure_tensors(branches)
+    reads = list({id(x): x for x in (*operands, *closure) if _dense_requiring_grad(x)}.values())
+    if not reads or _tracing_state() is not None:  # torch.jit.trace would record a Python op
+        return out
+    at = [i for i, o in enumerate(leaves) if _differentiable(o)]
+    inputs = (len(at), *[leaves[i] for i in at], *reads)
+    passed = _ZeroGradsBatched.apply(*inputs) if _transforms_active() else _apply(*inputs)  # type: ignore[no-untyped-call]
+    for i, o in zip(at, passed, strict=True):
+        leaves[i] = o
+    return leaves[0] if spec is None else _subgraph.unflatten(leaves, spec)
+
+
+def only_vmap_levels() -> bool:
+    """Every active torch.func transform is a vmap: plain autograd outside them
+    differentiates the node (through its generated vmap rule), none of them does."""
+    return all(i.key() == TransformType.Vmap for i in _interpreter_stack() or ())
+
+
+def _differentiable(x: Any) -> bool:
+    return isinstance(x, _Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _dense_requiring_grad(x: Any) -> bool:
+    # Not a subclass: FSDP2 swaps a sharded module's parameters back to sharded
+    # DTensors after its forward, and a gradient given to those breaks its reduction.
+    return type(x) in _DENSE and x.requires_grad and x.layout is _STRIDED
+
+
+def _passed(tensors: Sequence[_Tensor]) -> tuple[_Tensor, ...]:
+    return tuple([t.detach() if t.grad_fn is not None or not t.requires_grad else t.clone() for t in tensors])
+
+
+def _metas(tensors: Sequence[_Tensor]) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
+    return [(t.shape, t.dtype, t.device) for t in tensors]
+
+
+def _backward(ctx: Any, *grads: Any) -> Any:
+    zeros: dict[tuple[torch.dtype, torch.device], _Tensor] = {}
+    out: list[Any] = [None, *grads]
+    for shape, dtype, device in ctx.metas:
+        z = zeros.get((dtype, device))
+        if z is None:
+            z = zeros[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+        out.append(z.expand(shape))  # stride 0: no memory per tensor
+    return tuple(out)
+
+
+def _jvp(ctx: Any, *tangents: Any) -> Any:
+    return tuple(tangents[1 : 1 + ctx.n])
+
+
+class _ZeroGrads(torch.autograd.Function):
+    """Identity on the first ``n`` inputs; zero gradients for the others.
+
+    The ctx-in-forward form: ``Function.apply`` binds a ``setup_context`` form's
+    arguments with ``inspect.signature`` on every call (~6x the cost of the node
+    itself), and outside torch.func transforms the base class's C++ ``apply``
+    (:data:`_apply`) is all ``Function.apply`` would call."""
+
+    @staticmethod
+    def forward(ctx: Any, n: int, *tensors: _Tensor) -> tuple[_Tensor, ...]:
+        ctx.n, ctx.metas = n, _metas(tensors[n:])
+        return _passed(tensors[:n])
+
+    backward = staticmethod(_backward)
+    jvp = staticmethod(_jvp)
+
+
+class _ZeroGradsBatched(torch.autograd.Function):
+    """:class:`_ZeroGrads` inside vmap (autograd outside it): the setup_context form
+    that a generated vmap rule needs."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(n: int, *tensors: _Tensor) -> tuple[_Tensor, ...]:
+        return _passed(tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.n, ctx.metas = inputs[0], _metas(inputs[1 + inputs[0] :])
+
+    backward = staticmethod(_backward)
+    jvp = staticmethod(_jvp)
+
+
+_apply: Callable[..., Any] = super(torch.autograd.Function, _ZeroGrads).apply

@@ -1,0 +1,196 @@
+"""DDP (and FSDP2) over gloo with two ranks on 127.0.0.1, find_unused_parameters=False.
+
+Ranks that take different branches of a cond or switch train in step because the
+untaken branch's parameters get zero gradients (Note [untaken branches get zero
+gradients] in hop/ops/_zero_grads.py); loops reach their body's parameters on
+every iteration. One pair of worker processes runs every scenario for three
+training steps; each test compares the ranks with each other and with one
+process that averages the ranks' gradients itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hop
+
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+WORLD, STEPS, LR, TIMEOUT_S = 2, 3, 0.1, 120.0
+
+
+# --- the models: each forward takes (model, rank, step) inputs from `batch` ------------------
+
+
+class TwoBranches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hop.cond(x.sum() > 0, lambda v: self.a(v).tanh(), lambda v: self.b(v) * 2, (x,))
+
+
+class Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, i: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return hop.switch(i, [lambda v, m=m: m(v).sin() for m in self.experts], (x,))
+
+
+class Loop(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, n: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        _, h = hop.while_loop(lambda i, h: i < n, lambda i, h: (i + 1, self.lin(h).tanh()), (torch.tensor(0), x))
+        return h
+
+
+class Scan(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        carry, ys = hop.scan(lambda c, x: (self.lin(c + x).tanh(), c * x), torch.zeros(4), xs)
+        return ys.sum(0) + carry
+
+
+def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, ...]:
+    """Rank- and step-dependent inputs; which branch (or how many iterations) is in the name."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * rank + step)).abs()
+    if name == "cond_same_branch":
+        return (x if step % 2 == 0 else -x,)
+    if name in ("cond_different_branches", "fsdp2_cond_different_branches"):
+        return (x if (rank + step) % 2 == 0 else -x,)
+    if name == "switch":
+        return (torch.tensor((rank + step) % 3), x)  # one expert is idle on both ranks
+    if name == "while_loop":
+        return (torch.tensor(1 + (rank + step) % 3), x)  # ranks run different trip counts
+    return (x,)
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "cond_same_branch": TwoBranches,
+    "cond_different_branches": TwoBranches,
+    "switch": Experts,
+    "while_loop": Loop,
+    "scan": Scan,
+    "fsdp2_cond_different_branches": TwoBranches,
+}
+
+
+def _loss(model: Any, name: str, rank: int, step: int) -> torch.Tensor:
+    return model(*batch(name, rank, step)).pow(2).mean()
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A gathered copy of a (possibly DTensor) parameter or gradient."""
+    if t is None:
+        return None
+    full = getattr(t, "full_tensor", None)
+    return (full() if full is not None else t).detach().clone()
+
+
+def _train(name: str, rank: int) -> dict[str, list[Any]]:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    if name.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped: Any = fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+    else:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        _loss(wrapped, name, rank, step).backward()
+        grads = [_full(p.grad) for p in wrapped.parameters()]
+        opt.step()
+    return {"grads": grads, "params": [_full(p) for p in wrapped.parameters()]}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    results: dict[str, Any] = {}
+    for name in MODELS:
+        try:
+            results[name] = _train(name, rank)
+        except Exception:  # reported by the test of that scenario
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every scenario's results on each rank, from one process group."""
+    out = tmp_path_factory.mktemp("ddp")
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, str(out)), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=TIMEOUT_S)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    files = [out / f"rank{r}.pt" for r in range(WORLD)]
+    if codes != [0] * WORLD or not all(f.exists() for f in files):
+        pytest.fail(f"DDP workers did not finish within {TIMEOUT_S}s or failed: exit codes {codes}")
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+def _single_process(name: str) -> dict[str, list[Any]]:
+    """The same training in one process: each step averages the ranks' gradients."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        (sum(_loss(model, name, r, step) for r in range(WORLD)) / WORLD).backward()
+        grads = [_full(p.grad) for p in model.parameters()]
+        opt.step()
+    return {"grads": grads, "params": [_full(p) for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ranks_agree_with_each_other_and_with_one_process(ranks: list[dict[str, Any]], name: str) -> None:
+    got = [r[name] for r in ranks]
+    for r, res in enumerate(got):
+        assert not isinstance(res, str), f"rank {r} failed:\n{res}"
+    want = _single_process(name)
+    for kind in ("grads", "params"):
+        for i, (g0, g1, w) in enumerate(zip(got[0][kind], got[1][kind], want[kind], strict=True)):
+            assert g0 is not None and g1 is not None, f"{kind}[{i}] has no gradient"
+            torch.testing.assert_close(g0, g1, rtol=0, atol=0, msg=f"{name}: ranks differ at {kind}[{i}]")
+            torch.testing.assert_close(g0, w, msg=f"{name}: {kind}[{i}] differs from one process")
