@@ -35,7 +35,15 @@ from torch._C._functorch import _add_batch_dim
 from hop import _subgraph, _transforms, _validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, per_step_sizes, rebind_sizes, recording, run_in_subgraph
-from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError, format_message
+from hop.errors import (
+    HopRuntimeError,
+    HopTypeError,
+    HopValueError,
+    MutationError,
+    OutputMismatchError,
+    format_message,
+    type_name,
+)
 from hop.ops._branching import as_tuple
 
 Fn = Callable[..., Any]
@@ -92,9 +100,7 @@ def leaf_paths(tree: Any, root: str) -> list[str]:
 
 def check_callable(name: str, role: str, fn: Any) -> None:
     if not callable(fn):
-        raise HopTypeError(
-            format_message(name, f"{role} must be callable, got {type(fn).__name__}"), op=name, role=role
-        )
+        raise HopTypeError(format_message(name, f"{role} must be callable, got {type_name(fn)}"), op=name, role=role)
 
 
 def check_leaves(name: str, root: str, tree: Any, leaves: Sequence[Any], *, ints: bool = False) -> None:
@@ -106,7 +112,7 @@ def check_leaves(name: str, root: str, tree: Any, leaves: Sequence[Any], *, ints
             raise HopTypeError(
                 format_message(
                     name,
-                    f"must be {what}, got {type(leaf).__name__}",
+                    f"must be {what}, got {type_name(leaf)}",
                     path=path,
                     fix=f"Close over other values in the function instead of passing them in {root}.",
                 ),
@@ -119,7 +125,7 @@ def check_leaves(name: str, root: str, tree: Any, leaves: Sequence[Any], *, ints
 def check_xs(name: str, xs: Any, leaves: Sequence[torch.Tensor], dim: Any) -> tuple[list[int], Any]:
     """Each leaf's scanned dimension (``dim`` made non-negative per leaf) and the common length."""
     if type(dim) is not int:
-        raise HopTypeError(format_message(name, f"dim must be an int, got {type(dim).__name__}"), op=name, role="dim")
+        raise HopTypeError(format_message(name, f"dim must be an int, got {type_name(dim)}"), op=name, role="dim")
     if not leaves:
         raise HopValueError(
             format_message(name, "xs must contain at least one tensor: the length of the loop is read from it"),
@@ -180,7 +186,7 @@ def runs_inline(n: Any, *groups: Sequence[Any]) -> bool:
 
 
 def not_a_pair(L: Looping, fn: Fn, out: Any) -> HopTypeError:
-    got = f"a {type(out).__name__} of length {len(out)}" if isinstance(out, _PAIR) else type(out).__name__
+    got = f"a {type(out).__name__} of length {len(out)}" if isinstance(out, _PAIR) else type_name(out)
     return HopTypeError(
         format_message(
             L.name,
@@ -237,7 +243,7 @@ def _spec_str(spec: Any) -> str:
 def leaf_difference(a: Any, b: Any) -> str | None:
     """How tensor ``b`` differs from tensor ``a`` in kind, dtype, device or shape (None if it does not)."""
     if not isinstance(b, _Tensor):
-        return f"Tensor vs {type(b).__name__}"
+        return f"Tensor vs {type_name(b)}"
     if a.dtype != b.dtype:
         return f"dtype {_dtype(a)} vs {_dtype(b)}"
     if a.device != b.device:
@@ -257,10 +263,21 @@ def stack_ys(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> Any:
     """The outputs of every iteration, each leaf stacked along ``dim``."""
     try:
         if isinstance(ys[0], _Tensor):
-            return torch.stack(ys, dim)  # type: ignore[arg-type]
-        return optree.tree_map(lambda *col: torch.stack(col, dim), *ys, none_is_leaf=False, namespace="torch")
+            return torch.stack(_same_dtype(ys), dim)
+        return optree.tree_map(
+            lambda *col: torch.stack(_same_dtype(col), dim), *ys, none_is_leaf=False, namespace="torch"
+        )
     except (RuntimeError, TypeError, ValueError, IndexError) as e:
         raise ys_error(L, fn, ys, dim, root) or e from None
+
+
+def _same_dtype(col: Sequence[Any]) -> Sequence[Any]:
+    """``col``, whose tensors share one dtype: torch.stack would promote silently."""
+    dtype = getattr(col[0], "dtype", None)
+    for y in col:
+        if getattr(y, "dtype", None) is not dtype:
+            raise TypeError("iterations return different dtypes")
+    return col
 
 
 def ys_error(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopValueError | None:
@@ -269,7 +286,7 @@ def ys_error(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopV
     first, spec = flatten(ys[0])
     for path, leaf in zip(leaf_paths(ys[0], root), first, strict=True):
         if not isinstance(leaf, _Tensor):
-            return _ys_fail(L, f"must be a tensor, got {type(leaf).__name__} {where}", path, "Return tensors.")
+            return _ys_fail(L, f"must be a tensor, got {type_name(leaf)} {where}", path, "Return tensors.")
         if not -leaf.dim() - 1 <= dim <= leaf.dim():
             return _ys_fail(
                 L,
@@ -363,11 +380,13 @@ def dense(
     nc = len(init)
     # Note [traced bodies see contiguous values]
     traced = isinstance(body, torch.fx.GraphModule)
+    # a traced body has no module hooks: skip nn.Module's call path
+    step = body.forward if isinstance(body, torch.fx.GraphModule) else body
     columns = [(x.contiguous() if traced else x).unbind(0) for x in xs]
     carry: Sequence[Any] = tuple(c.contiguous() for c in init) if traced else tuple(init)
     ys: list[Any] = [None] * n
     for i in range(n - 1, -1, -1) if reverse else range(n):
-        out = as_tuple(body(*carry, *[c[i] for c in columns], *additional))
+        out = as_tuple(step(*carry, *[c[i] for c in columns], *additional))
         carry, ys[i] = (tuple(c.contiguous() for c in out[:nc]) if traced else out[:nc]), out[nc:]
     stacked = [torch.stack(col) for col in zip(*ys, strict=True)]
     carry = [c.contiguous() for c in carry]  # as the fake rule says
@@ -380,6 +399,7 @@ def _empty(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additio
 
     def run(fake: list[Any]) -> list[Any]:
         out = as_tuple(body(*fake[:nc], *empty_slices(xs, [0] * len(xs)), *fake[nc:]))
+        check_static(L, body, out[nc:], [f"ys[{i}]" for i in range(len(out) - nc)])
         return [(y.shape, y.dtype, y.device) for y in out[nc:]]
 
     metas = on_fake(L, body, [*init, *additional], run)
@@ -390,9 +410,13 @@ def _empty(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additio
 def autograd(
     L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
 ) -> Any:
-    """Inline for real tensors (Note [scans run inline]), else one node differentiated by scans."""
+    """Inline for real tensors (Note [scans run inline]), else one node differentiated by scans;
+    what the body closes over and needs grad for becomes additional inputs of the node
+    (Note [closure conversion] in hop._subgraph: a node differentiates its inputs only)."""
     if runs_inline(xs[0].shape[0], init, xs, additional):
         return dense(L, body, init, xs, additional, reverse)
+    (body,), captured = _subgraph.convert_closures([body], [*init, *xs, *additional])
+    additional = (*additional, *captured)
     counts = (len(init), len(xs), len(additional))
     return _ScanFunction.apply(L, body, reverse, counts, *init, *xs, *additional)  # type: ignore[no-untyped-call]
 
@@ -415,6 +439,24 @@ def transform(
         if type(n) is int and n == 0:
             return _empty_here(L, body, init, xs, additional)
     return autograd(L, body, init, xs, additional, reverse)
+
+
+def check_static(L: Looping, fn: Fn, ys: Sequence[Any], paths: Sequence[str]) -> None:
+    """The ``ys`` of a loop of length 0, run once on fake tensors: their sizes must not
+    depend on data, since no step gives them (and torch.empty cannot take a symbol)."""
+    for path, y in zip(paths, ys, strict=True):
+        if not all(type(s) is int for s in y.shape):
+            raise HopRuntimeError(
+                format_message(
+                    L.name,
+                    f"xs has length 0, and {L.role} ({_subgraph.describe_fn(fn)}) returns {path} of a "
+                    f"data-dependent shape {tuple(y.shape)}: the shape of the empty output cannot be known",
+                    fix=f"Loop over a non-empty dimension, or make the shapes of {L.role}'s outputs data-independent.",
+                ),
+                op=L.name,
+                role=L.role,
+                path=path,
+            )
 
 
 def _empty_here(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> Any:
@@ -444,7 +486,12 @@ def lift_transform_closures(body: Fn, level: int) -> tuple[Fn, list[Any]]:
 def lift_closures(body: Fn, examples: Callable[[], Sequence[Any]]) -> tuple[Fn, list[Any]]:
     """Under make_fx with grad enabled: ``body`` traced on ``examples()`` with what it closes
     over lifted to extra inputs (Note [closure lifting]), so that autograd sees those too
-    (a closed-over tensor that requires grad is invisible to the dispatcher)."""
+    (a closed-over tensor that requires grad is invisible to the dispatcher).
+
+    Under C++ functionalization (``torch._enable_functionalization``) the values are
+    functional wrappers, which the tracer below them does not know: a trace here would
+    bake their contents into the graph. The closures are then found statically
+    (:func:`hop._subgraph.convert_closures`); the op's functionalize rule traces the body."""
     from torch.fx.experimental import proxy_tensor
 
     if (
@@ -454,7 +501,11 @@ def lift_closures(body: Fn, examples: Callable[[], Sequence[Any]]) -> tuple[Fn, 
     ):
         return body, []
     with proxy_tensor.disable_proxy_modes_tracing():
-        (gm,), lifted = _subgraph.trace_branches([body], examples())
+        values = list(examples())
+        if any(isinstance(v, _Tensor) and torch._is_functional_tensor(v) for v in values):
+            (converted,), captured = _subgraph.convert_closures([body], values)
+            return converted, captured
+        (gm,), lifted = _subgraph.trace_branches([body], values)
     if not lifted:
         return body, []
     gm.__wrapped__ = body  # type: ignore[assignment]  # names the function in errors
@@ -564,9 +615,18 @@ def _check_same_size_every_step(
 
 def examples(init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> list[Any]:
     """Fresh values to trace a body on (the carry must not alias closed-over tensors, nor
-    two carries each other), and the additional inputs."""
-    carries = (torch.empty_like(c, memory_format=torch.contiguous_format) for c in init)
-    return [*carries, *empty_slices(xs, [0] * len(xs)), *additional]
+    two carries each other), and the additional inputs. Real values are copies of the
+    initial carry and the first slice (Note [bodies are traced on values they can see]
+    in hop._subgraph); a real xs of length 0 has no slice: zeros stand in for one."""
+    carries = [_subgraph.trace_example(c) for c in init]
+    slices = [_example_slice(x, e) for x, e in zip(xs, empty_slices(xs, [0] * len(xs)), strict=True)]
+    return [*carries, *slices, *additional]
+
+
+def _example_slice(x: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    if not _transforms.is_plain_tensor(x):
+        return empty  # fake, meta: no data to copy
+    return _subgraph.trace_example(x.select(0, 0)) if x.shape[0] else torch.zeros_like(empty)
 
 
 def proxy(

@@ -38,8 +38,8 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _reference, _subgraph, _transforms
 from hop._operator import HigherOrderOperator
-from hop._transforms import is_dynamo_compiling, outside_dynamo
-from hop.errors import HopTypeError, HopValueError, format_message
+from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
+from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
 from hop.ops.scan import SCAN
@@ -81,8 +81,8 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
     """
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_associative_scan(combine_fn, xs, dim, reverse, combine_mode)
-    if is_dynamo_compiling():
-        return outside_dynamo(associative_scan, combine_fn, xs, dim, reverse, combine_mode)
+    if is_dynamo_compiling():  # Note [public functions under Dynamo]
+        return associative_scan_op(DYNAMO_CALL, associative_scan, combine_fn, xs, dim, reverse, combine_mode)
     lp.check_callable(_NAME, "combine_fn", combine_fn)
     if combine_mode not in _MODES:
         raise HopValueError(
@@ -92,7 +92,7 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
         )
     if type(reverse) is not bool:
         raise HopTypeError(
-            format_message(_NAME, f"reverse must be a bool, got {type(reverse).__name__}"), op=_NAME, role="reverse"
+            format_message(_NAME, f"reverse must be a bool, got {type_name(reverse)}"), op=_NAME, role="reverse"
         )
     leaves, spec = lp.flatten(xs)
     dims, n = lp.check_xs(_NAME, xs, leaves, dim)

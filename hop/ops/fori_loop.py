@@ -15,8 +15,8 @@ import torch
 
 from hop import _reference, _subgraph, _transforms
 from hop import _validation as validation
-from hop.errors import HopTypeError, format_message
-from hop.ops.while_loop import while_loop
+from hop.errors import HopTypeError, HopValueError, format_message, type_name
+from hop.ops.while_loop import while_loop, while_loop_op
 
 __all__ = ["fori_loop"]
 
@@ -48,35 +48,103 @@ def fori_loop(
     """
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_fori_loop(lower, upper, body_fn, init_val)
-    if _transforms.is_dynamo_compiling():
-        return _transforms.outside_dynamo(fori_loop, lower, upper, body_fn, init_val)
+    if _transforms.is_dynamo_compiling():  # Note [public functions under Dynamo]; the op is a while_loop
+        return while_loop_op(_transforms.DYNAMO_CALL, fori_loop, lower, upper, body_fn, init_val)
     if not callable(body_fn):
         raise HopTypeError(
-            format_message(_NAME, f"body_fn must be callable, got {type(body_fn).__name__}"), op=_NAME, role="body_fn"
+            format_message(_NAME, f"body_fn must be callable, got {type_name(body_fn)}"), op=_NAME, role="body_fn"
         )
-    for role, bound in (("lower", lower), ("upper", upper)):
-        if not isinstance(bound, (int, torch.SymInt, torch.Tensor)) or isinstance(bound, bool):
+    _check_bound("lower", lower)
+    _check_bound("upper", upper)
+    leaves, spec = _subgraph.flatten(init_val)
+    _check_init_val(init_val, leaves)
+    if (
+        type(lower) is int
+        and type(upper) is int
+        and _transforms.in_plain_eager()
+        and all(_transforms.is_plain_tensor(x) or type(x) is int for x in leaves)
+    ):
+        _validate_once(lower, body_fn, init_val, leaves, spec)
+        val = init_val
+        for i in range(lower, upper):
+            val = body_fn(i, val)
+        out, out_spec = _subgraph.flatten(val)
+        return _subgraph.unflatten(_subgraph.clone_aliases(out, leaves), out_spec)
+    if isinstance(upper, torch.Tensor) and not isinstance(lower, torch.Tensor):
+        # the counter may be batched; not torch.tensor: that is a constant in a traced body
+        lower = torch.zeros((), dtype=upper.dtype, device=upper.device) + lower
+    _, val = while_loop(lambda i, v: i < upper, _counted_body(body_fn), (lower, init_val))
+    return val
+
+
+def _counted_body(body_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """while_loop's body ``(i, v) -> (i + 1, body_fn(i, v))``. Its first call (the
+    fake validation run, or the traced one) checks ``body_fn``'s output against
+    ``v``, so that a mistake names fori_loop's ``val``, not while_loop's ``carry[1]``;
+    later iterations go unchecked, as in while_loop's own eager loop."""
+    checked = False
+
+    def counted(i: Any, v: Any) -> Any:
+        nonlocal checked
+        out = body_fn(i, v)
+        if not checked:
+            _subgraph.check_same_outputs(_NAME, ("init_val", "body_fn"), (v, out), root="val", fns=(None, body_fn))
+            checked = True
+        return i + 1, out
+
+    return counted
+
+
+def _check_init_val(init_val: Any, leaves: list[Any]) -> None:
+    for path, leaf in zip(_subgraph.leaf_paths(init_val, "init_val"), leaves, strict=True):
+        if not isinstance(leaf, (torch.Tensor, int, torch.SymInt)) or isinstance(leaf, bool):
             raise HopTypeError(
                 format_message(
-                    _NAME, f"{role} must be an int, a SymInt or an integer tensor, got {type(bound).__name__}"
+                    _NAME,
+                    f"{path} must be a tensor or an int, got {type_name(leaf)}",
+                    fix="Close over other values in body_fn instead of carrying them.",
+                ),
+                op=_NAME,
+                role="init_val",
+                path=path,
+            )
+
+
+def _check_bound(role: str, bound: Any) -> None:
+    """``lower`` / ``upper``: an int, a SymInt or a one-element integer tensor (checked
+    here, where fori_loop can name it, not as while_loop's internal condition)."""
+    if isinstance(bound, torch.Tensor):
+        dtype = bound.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise HopTypeError(
+                format_message(
+                    _NAME,
+                    f"{role} must be an integer tensor, got dtype {str(dtype).removeprefix('torch.')}",
+                    fix=f"Convert it, e.g. {role}.long(), or pass a Python int.",
                 ),
                 op=_NAME,
                 role=role,
             )
-    if type(lower) is int and type(upper) is int and _transforms.in_plain_eager():
-        leaves, spec = _subgraph.flatten(init_val)
-        if all(_transforms.is_plain_tensor(x) or type(x) is int for x in leaves):
-            _validate_once(lower, body_fn, init_val, leaves, spec)
-            val = init_val
-            for i in range(lower, upper):
-                val = body_fn(i, val)
-            out, out_spec = _subgraph.flatten(val)
-            return _subgraph.unflatten(_subgraph.clone_aliases(out, leaves), out_spec)
-    if isinstance(upper, torch.Tensor) and not isinstance(lower, torch.Tensor):
-        # the counter may be batched; not torch.tensor: that is a constant in a traced body
-        lower = torch.zeros((), dtype=upper.dtype, device=upper.device) + lower
-    _, val = while_loop(lambda i, v: i < upper, lambda i, v: (i + 1, body_fn(i, v)), (lower, init_val))
-    return val
+        if bound.numel() != 1:
+            raise HopValueError(
+                format_message(
+                    _NAME,
+                    f"{role} must have exactly one element, got shape {tuple(bound.shape)}",
+                    fix=f"Pass one bound per loop; to run loops of several lengths, vmap over {role}.",
+                ),
+                op=_NAME,
+                role=role,
+            )
+    elif not isinstance(bound, (int, torch.SymInt)) or isinstance(bound, bool):
+        raise HopTypeError(
+            format_message(
+                _NAME,
+                f"{role} must be an int, a SymInt or an integer tensor, got {type_name(bound)}",
+                fix="Pass a Python int (e.g. int(n)) or an integer tensor.",
+            ),
+            op=_NAME,
+            role=role,
+        )
 
 
 def _validate_once(lower: int, body_fn: Callable[[Any, Any], Any], init_val: Any, leaves: list[Any], spec: Any) -> None:

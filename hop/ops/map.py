@@ -19,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _reference
 from hop._operator import HigherOrderOperator
-from hop._transforms import is_dynamo_compiling, outside_dynamo
+from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
 
@@ -52,8 +52,8 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
     """
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_map(f, xs, *args)
-    if is_dynamo_compiling():
-        return outside_dynamo(map, f, xs, *args)
+    if is_dynamo_compiling():  # Note [public functions under Dynamo]
+        return map_op(DYNAMO_CALL, map, f, xs, *args)
     lp.check_callable("map", "f", f)
     xs_leaves, xs_spec = lp.flatten(xs)
     arg_leaves, args_spec = lp.flatten(args)
@@ -76,6 +76,7 @@ def _empty_map(f: Fn, xs_leaves: list[Any], xs_spec: Any, arg_leaves: list[Any],
 
     def run(fake: list[Any]) -> list[Any]:
         out = body(*lp.empty_slices(xs_leaves, [0] * len(xs_leaves)), *fake)
+        lp.check_static(MAP, f, out, lp.leaf_paths(lp.unflatten(out, y_spec[0]), "output"))
         return [(y.shape, y.dtype, y.device) for y in out]
 
     metas = lp.on_fake(MAP, f, passed, run)
@@ -104,7 +105,7 @@ def _flat_body(f: Fn, xs_spec: Any, args_spec: Any, arg_leaves: list[Any]) -> tu
     return body, y_spec, [a for a, c in zip(arg_leaves, const, strict=True) if not c]
 
 
-map_op = HigherOrderOperator("map", dynamo_traceable=True)  # Dynamo's map handler fits
+map_op = HigherOrderOperator("map")
 
 
 def _call(body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool) -> Any:

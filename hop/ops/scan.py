@@ -8,7 +8,6 @@ functionalize, fake, proxy.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,8 +19,8 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _reference
 from hop._operator import HigherOrderOperator
-from hop._transforms import is_dynamo_compiling, outside_dynamo
-from hop.errors import HopTypeError, format_message
+from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
+from hop.errors import HopTypeError, format_message, type_name
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
 
@@ -69,15 +68,13 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     """
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_scan(combine_fn, init, xs, dim=dim, reverse=reverse)
-    if is_dynamo_compiling():
-        result: tuple[Any, Any] = outside_dynamo(
-            functools.partial(scan, dim=dim, reverse=reverse), combine_fn, init, xs
-        )
+    if is_dynamo_compiling():  # Note [public functions under Dynamo]
+        result: tuple[Any, Any] = scan_op(DYNAMO_CALL, scan, combine_fn, init, xs, dim=dim, reverse=reverse)
         return result
     lp.check_callable("scan", "combine_fn", combine_fn)
     if type(reverse) is not bool:
         raise HopTypeError(
-            format_message("scan", f"reverse must be a bool, got {type(reverse).__name__}"), op="scan", role="reverse"
+            format_message("scan", f"reverse must be a bool, got {type_name(reverse)}"), op="scan", role="reverse"
         )
     init_leaves, init_spec = lp.flatten(init)
     xs_leaves, xs_spec = lp.flatten(xs)
@@ -130,7 +127,9 @@ def _empty_scan(
     def run(fake: list[Any]) -> Any:
         out = _flat_body(combine_fn, init_spec, xs_spec, dim)
         flat = out[0](*fake, *lp.empty_slices(xs_leaves, dims))
-        return [(y.shape, y.dtype, y.device) for y in flat[len(fake) :]], out[1][0]
+        ys = flat[len(fake) :]
+        lp.check_static(SCAN, combine_fn, ys, lp.leaf_paths(lp.unflatten(ys, out[1][0]), "y"))
+        return [(y.shape, y.dtype, y.device) for y in ys], out[1][0]
 
     metas, spec = lp.on_fake(SCAN, combine_fn, init_leaves, run)
     ys = []

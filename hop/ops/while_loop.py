@@ -18,7 +18,8 @@ so each element equals its own Python loop.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,9 +32,10 @@ from hop import _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording
-from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, format_message
-from hop.ops import _checkpoint
+from hop.errors import HopTypeError, HopValueError, MutationError, format_message, type_name
+from hop.ops import _checkpoint, _loop_reverse
 from hop.ops._branching import as_tuple, like, no_alias
+from hop.ops._looping import leaf_difference
 
 __all__ = ["while_loop", "while_loop_op"]
 
@@ -67,7 +69,8 @@ def while_loop(
         carried_inputs: a tuple or list of pytrees of tensors, ints and SymInts.
         checkpoint: reverse mode with bounded memory: keep about sqrt(n) carries
             and recompute the iterations between them in the backward pass,
-            instead of every iteration's intermediates (eager only).
+            instead of every iteration's carry or intermediates (eager, torch.func
+            and traced; Note [reverse mode of a traced loop] in ``_loop_reverse``).
 
     Eager calls run the Python loop (the functions are checked once per
     signature on fake tensors). Autograd, torch.func and vmap (also with a
@@ -77,11 +80,11 @@ def while_loop(
     """
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_while_loop(cond_fn, body_fn, carried_inputs)
-    if _transforms.is_dynamo_compiling():
-        return _transforms.outside_dynamo(
-            lambda *a: while_loop(*a, checkpoint=checkpoint), cond_fn, body_fn, carried_inputs
-        )
+    if _transforms.is_dynamo_compiling():  # Note [public functions under Dynamo]
+        dynamo_call = _transforms.DYNAMO_CALL
+        return while_loop_op(dynamo_call, while_loop, cond_fn, body_fn, carried_inputs, checkpoint=checkpoint)
     _check_arguments(cond_fn, body_fn, carried_inputs)
+    _checkpoint.check_flag(checkpoint)
     leaves, spec = _subgraph.flatten(tuple(carried_inputs))
     flat_cond, flat_body = _flat_functions(cond_fn, body_fn, spec)
     if _transforms.in_plain_eager() and all(map(_plain_leaf, leaves)):
@@ -93,25 +96,30 @@ def while_loop(
             out = _checkpoint.run(flat_cond, flat_body, leaves, _subgraph.closure_tensors((cond_fn, body_fn)))
             return _subgraph.unflatten(list(out), spec)
         return _run_eager(cond_fn, body_fn, carried_inputs, leaves)
-    if checkpoint:
-        raise HopRuntimeError(
-            format_message(_NAME, "checkpoint=True runs in eager only (real tensors, no transform or tracing)"),
-            op=_NAME,
-        )
-    out = while_loop_op(flat_cond, flat_body, tuple(leaves), ())
+    with _checkpointing(checkpoint):  # read by the autograd node (Note [reverse mode of a traced loop])
+        out = while_loop_op(flat_cond, flat_body, tuple(leaves), ())
     return _subgraph.unflatten(list(as_tuple(out)) if len(leaves) != 1 else [out], spec)
 
 
 def _run_eager(cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], leaves: list[Any]) -> Any:
     """Note [loops run inline], for a validated signature: the user's functions, as is.
 
-    Nothing is checked per iteration (the signature was checked once); a body may
-    return a bare value for a single carry.
+    The signature was checked once on fake tensors; per iteration only the number
+    of carries is (a body that changes it would otherwise fail inside Python's call
+    or return another program's result), and the final carry is checked against
+    ``carried_inputs`` (structure, dtype, device, rank) before it is returned. A
+    body may return a bare value for a single carry.
     """
     carry = tuple(carried_inputs)
+    n = len(carry)
     while cond_fn(*carry):
         out = body_fn(*carry)
         carry = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if len(carry) != n:
+            break
+    _subgraph.check_same_outputs(
+        _NAME, ("carried_inputs", "body_fn"), (tuple(carried_inputs), carry), root="carry", fns=(None, body_fn)
+    )
     flat, spec = _subgraph.flatten(carry)
     out_tree = _subgraph.unflatten(_subgraph.clone_aliases(flat, leaves), spec)
     return out_tree if type(carried_inputs) is tuple else list(out_tree)
@@ -121,13 +129,13 @@ def _check_arguments(cond_fn: Any, body_fn: Any, carried_inputs: Any) -> None:
     for role, fn in (("cond_fn", cond_fn), ("body_fn", body_fn)):
         if not callable(fn):
             raise HopTypeError(
-                format_message(_NAME, f"{role} must be callable, got {type(fn).__name__}"), op=_NAME, role=role
+                format_message(_NAME, f"{role} must be callable, got {type_name(fn)}"), op=_NAME, role=role
             )
     if not isinstance(carried_inputs, (tuple, list)):
         raise HopTypeError(
             format_message(
                 _NAME,
-                f"carried_inputs must be a tuple or list, got {type(carried_inputs).__name__}",
+                f"carried_inputs must be a tuple or list, got {type_name(carried_inputs)}",
                 fix="Pass carried_inputs=(x,) for a single carry.",
             ),
             op=_NAME,
@@ -140,7 +148,7 @@ def _check_arguments(cond_fn: Any, body_fn: Any, carried_inputs: Any) -> None:
     ):
         if not isinstance(leaf, (torch.Tensor, int, torch.SymInt)) or isinstance(leaf, bool):
             raise HopTypeError(
-                format_message(_NAME, f"{path} must be a tensor or an int, got {type(leaf).__name__}"),
+                format_message(_NAME, f"{path} must be a tensor or an int, got {type_name(leaf)}"),
                 op=_NAME,
                 role="carried_inputs",
                 path=path,
@@ -195,7 +203,7 @@ def _truth(pred: Any, fn: Any = None) -> Any:
         what = (
             f"a tensor of dtype {str(pred.dtype).removeprefix('torch.')} and shape {tuple(pred.shape)}"
             if isinstance(pred, torch.Tensor)
-            else type(pred).__name__
+            else type_name(pred)
         )
         where = f" ({_subgraph.describe_fn(fn)})" if fn is not None else ""
         raise HopTypeError(
@@ -215,6 +223,8 @@ def _run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[An
     condition is batched by an enclosing vmap."""
     carry = tuple(carry)
     if isinstance(body_fn, torch.fx.GraphModule):  # Note [traced bodies see contiguous values] (_looping)
+        if isinstance(cond_fn, torch.fx.GraphModule) and _transforms.functorch_level() is None:
+            return _run_graphs(cond_fn, body_fn, carry, additional)
         carry = _contiguous(carry)
         body = body_fn
         body_fn = lambda *a: _contiguous(as_tuple(body(*a)))  # noqa: E731
@@ -229,6 +239,19 @@ def _run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[An
             return carry
         new = as_tuple(body_fn(*carry, *additional))
         carry = tuple(_freeze(pred, n, o) for n, o in zip(new, carry, strict=True))
+
+
+def _run_graphs(
+    cond_fn: torch.fx.GraphModule, body_fn: torch.fx.GraphModule, carry: Sequence[Any], additional: Sequence[Any]
+) -> tuple[Any, ...]:
+    """A traced loop outside every transform (an exported program running): the
+    condition was checked when traced and no vmap batches it, so a step is the two
+    graphs' code and nothing else (a reverse-mode backward runs three such loops)."""
+    cond, body = cond_fn.forward, body_fn.forward  # traced subgraphs have no module hooks to run
+    carry = _contiguous(carry)
+    while cond(*carry, *additional):
+        carry = _contiguous(as_tuple(body(*carry, *additional)))
+    return carry
 
 
 def _contiguous(values: Sequence[Any]) -> tuple[Any, ...]:
@@ -286,8 +309,9 @@ def _loop_is_concrete(carried: Sequence[Any], additional: Sequence[Any]) -> bool
 def _inline_or_node(
     cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], level: int | None = None
 ) -> Any:
-    """Autograd, grad and jvp: Note [loops run inline] when concrete, else one autograd node."""
-    if _loop_is_concrete(carried, additional):
+    """Autograd, grad and jvp: Note [loops run inline] when concrete, else one autograd node
+    (always one under ``checkpoint=True``: its backward keeps about sqrt(n) carries)."""
+    if _loop_is_concrete(carried, additional) and not _CHECKPOINT.get():
         return while_loop_dense(cond_fn, body_fn, carried, additional)
     return _as_node(cond_fn, body_fn, carried, additional, level)
 
@@ -404,11 +428,8 @@ def while_loop_proxy(
         templates = generalize_carries(
             _NAME, body_fn, tuple(carried_inputs), tuple(additional_inputs), shape_env, fresh=False
         )
-        # fresh tensors: a body may also read the tensor the loop starts from (a closure)
-        templates = tuple(
-            torch.empty_like(t, memory_format=torch.contiguous_format) if isinstance(t, torch.Tensor) else t
-            for t in templates
-        )
+        # Note [bodies are traced on values they can see] (hop._subgraph)
+        templates = tuple(_subgraph.trace_example(t) for t in templates)
     (cond_graph, body_graph), lifted = _subgraph.trace_branches([cond_fn, body_fn], (*templates, *additional_inputs))
     _check_cond_graph(cond_graph, cond_fn)
     _check_body_graph(body_graph, body_fn)
@@ -441,6 +462,7 @@ def _ints_as_tensors(
     body_t.__wrapped__ = body_fn  # type: ignore[attr-defined]
     fake_mode = torch._guards.detect_fake_mode([*carried, *additional])
     assert fake_mode is not None and fake_mode.shape_env is not None  # the caller checked
+    fake_mode.allow_scalar_outputs = True  # for .item(): AOTAutograd's fake mode under torch.compile forbids it
     with fake_mode:
         ranges = carry_ranges(_NAME, body_fn, tuple(carried), tuple(additional), fake_mode.shape_env)
     with mode:
@@ -487,45 +509,54 @@ def _check_cond_graph(gm: torch.fx.GraphModule, cond_fn: Fn) -> None:
 
 class _LoopFunction(torch.autograd.Function):
     """A traced loop as one autograd node: forward mode is a loop over (carry,
-    tangent); reverse mode is Note [reverse mode of a traced loop]."""
+    tangent); reverse mode is Note [reverse mode of a traced loop] (_loop_reverse).
+    Its outputs are ``(trips, *final_carry)``: the backward starts from the trip count."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(cond_fn: Fn, body_fn: Fn, n: int, *args: Any) -> Any:
-        return while_loop_op(cond_fn, body_fn, tuple(args[:n]), tuple(args[n:]))
+    def forward(cond_fn: Fn, body_fn: Fn, n: int, checkpoint: bool, *args: Any) -> Any:
+        return _loop_reverse.count_trips(cond_fn, body_fn, args[:n], args[n:])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.cond_fn, ctx.body_fn, ctx.n = inputs[0], inputs[1], inputs[2]
-        ctx.args = inputs[3:]
-        ctx.single = not isinstance(output, tuple)
+        ctx.cond_fn, ctx.body_fn, ctx.n, ctx.checkpoint = inputs[:4]
+        ctx.args = inputs[4:]
+        ctx.mark_non_differentiable(output[0])
+        ctx.final_shapes = [o.shape if isinstance(o, torch.Tensor) else None for o in output[1:]]
+        # a size the body changes is a fresh unbacked one in the fake rule's final carry
+        ctx.fixed_sizes = all(
+            not isinstance(a, torch.Tensor) or leaf_difference(a, o) is None
+            for a, o in zip(ctx.args[: ctx.n], output[1:], strict=True)
+        )
         # saved through autograd, so that torch.func.grad hands them back at the right level
-        ctx.save_for_backward(*[a for a in ctx.args if isinstance(a, torch.Tensor)])
+        ctx.save_for_backward(output[0], *[a for a in ctx.args if isinstance(a, torch.Tensor)])
         ctx.others = [a for a in ctx.args if not isinstance(a, torch.Tensor)]
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        saved, others = iter(ctx.saved_tensors), iter(ctx.others)
+        trips, *saved_args = ctx.saved_tensors
+        saved, others = iter(saved_args), iter(ctx.others)
         n, args = ctx.n, [next(saved) if isinstance(a, torch.Tensor) else next(others) for a in ctx.args]
         carried, extra = list(args[:n]), list(args[n:])
-        d_carry = [i for i, x in enumerate(carried) if _differentiable(x)]
-        d_extra = [i for i, x in enumerate(extra) if _differentiable(x)]
-        g_carry = [torch.zeros_like(carried[i]) if grads[i] is None else grads[i] for i in d_carry]
-        g_carry, g_extra = _reverse_sweep(ctx.cond_fn, ctx.body_fn, carried, extra, d_carry, d_extra, g_carry)
-        full_c: list[Any] = _transforms.place([None] * n, d_carry, g_carry)
-        full_e: list[Any] = _transforms.place([None] * len(extra), d_extra, g_extra)
-        return (None, None, None, *full_c, *full_e)
+        g_carry = [
+            None if not _differentiable(x) else (x.new_zeros(s) if g is None else g)
+            for x, s, g in zip(carried, ctx.final_shapes, grads[1:], strict=True)
+        ]
+        g_c, g_e = _loop_reverse.gradients(
+            ctx.body_fn, carried, extra, trips, g_carry, fixed_sizes=ctx.fixed_sizes, checkpoint=ctx.checkpoint
+        )
+        return (None, None, None, None, *g_c, *g_e)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         n, args = ctx.n, ctx.args
         carried, extra = args[:n], args[n:]
         diff = [i for i, x in enumerate(carried) if _differentiable(x)]
-        t_carry = [torch.zeros_like(carried[i]) if tangents[3 + i] is None else tangents[3 + i] for i in diff]
+        t_carry = [torch.zeros_like(carried[i]) if tangents[4 + i] is None else tangents[4 + i] for i in diff]
         t_extra = [
             torch.zeros_like(x) if t is None else t
-            for x, t in zip(extra, tangents[3 + n :], strict=True)
+            for x, t in zip(extra, tangents[4 + n :], strict=True)
             if _differentiable(x)
         ]
         cond_fn, body_fn = ctx.cond_fn, ctx.body_fn
@@ -555,77 +586,26 @@ class _LoopFunction(torch.autograd.Function):
         t_full = [torch.zeros_like(x) if _differentiable(x) else None for x in res[:n]]
         for j, i in enumerate(diff):
             t_full[i] = res[n + j]
-        return t_full[0] if ctx.single else tuple(t_full)
+        return (None, *t_full)
 
 
 def _differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-# Note [reverse mode of a traced loop]
-# A traced loop's trip count is a run-time value, so its iterations cannot be
-# stored in the graph. The backward is itself made of while_loops: one counts the
-# trips n; then a sweep runs k = n .. 1, and step k recomputes carry k-1 from the
-# initial carry (an inner loop of k-1 steps) and pulls the gradient through one
-# body step with torch.func.vjp. Memory stays constant; time is O(n^2) body runs
-# (eager reverse mode runs the loop inline and costs O(n): Note [loops run
-# inline]). Carries must keep their shapes.
+# Whether the loop being called asked for checkpoint=True. Set by while_loop() around
+# the raw op (whose signature is torch's and has no such flag), read by the autograd
+# node the call reaches; every while_loop() call sets its own, nested ones included.
+_CHECKPOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("hop_while_loop_checkpoint", default=False)
 
 
-def _reverse_sweep(
-    cond_fn: Fn,
-    body_fn: Fn,
-    carried: list[Any],
-    extra: list[Any],
-    d_carry: list[int],
-    d_extra: list[int],
-    g_carry: list[Any],
-) -> tuple[list[Any], list[Any]]:
-    """Gradients of the initial carry and the additional inputs (Note [reverse mode of a
-    traced loop]). Tensors reach the inner functions as inputs, never by closure: under
-    torch.func they live at a level the loops' bodies run below."""
-    n, e, m = len(carried), len(extra), len(d_carry)
-    zero = torch.zeros((), dtype=torch.int64, device=_device(carried))
-
-    def count_cond(k: Any, *a: Any) -> Any:
-        return cond_fn(*a)
-
-    def count_body(k: Any, *a: Any) -> tuple[Any, ...]:
-        return (k + 1, *as_tuple(body_fn(*a)))
-
-    trips = as_tuple(while_loop_op(count_cond, count_body, (zero, *carried), tuple(extra)))[0]
-
-    def sweep_cond(k: Any, *a: Any) -> Any:
-        return k > 0
-
-    def sweep(k: Any, *a: Any) -> tuple[Any, ...]:
-        gs, init, ext = a[: m + len(d_extra)], a[-(n + e) : len(a) - e], a[len(a) - e :]
-
-        def replay_cond(j: Any, *b: Any) -> Any:
-            return j < b[-1]
-
-        def replay_body(j: Any, *b: Any) -> tuple[Any, ...]:
-            return (j + 1, *as_tuple(body_fn(*b[:n], *b[n : n + e])))
-
-        replay = as_tuple(while_loop_op(replay_cond, replay_body, (torch.zeros_like(k), *init), (*ext, k - 1)))
-        before = list(replay[1:])
-
-        def one_step(*d: Any) -> tuple[Any, ...]:
-            c = _transforms.place(before, d_carry, d[:m])
-            out = as_tuple(body_fn(*c, *_transforms.place(list(ext), d_extra, d[m:])))
-            return tuple(out[i] for i in d_carry)
-
-        primals = (*[before[i] for i in d_carry], *[ext[i] for i in d_extra])
-        pulled = torch.func.vjp(one_step, *primals)[1](tuple(gs[:m]))
-        return (k - 1, *pulled[:m], *[a + b for a, b in zip(gs[m:], pulled[m:], strict=True)])
-
-    init = (trips, *g_carry, *[torch.zeros_like(extra[i]) for i in d_extra])
-    out = as_tuple(while_loop_op(sweep_cond, sweep, init, (*carried, *extra)))
-    return list(out[1 : 1 + m]), list(out[1 + m :])
-
-
-def _device(values: Sequence[Any]) -> torch.device:
-    return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+@contextlib.contextmanager
+def _checkpointing(checkpoint: bool) -> Iterator[None]:
+    token = _CHECKPOINT.set(checkpoint)
+    try:
+        yield
+    finally:
+        _CHECKPOINT.reset(token)
 
 
 def _as_node(
@@ -636,4 +616,5 @@ def _as_node(
     (cond_fn, body_fn), captured = _subgraph.convert_closures([cond_fn, body_fn], [*carried, *additional], level)
     additional = (*additional, *captured)
     apply: Callable[..., Any] = _LoopFunction.apply
-    return apply(cond_fn, body_fn, len(carried), *carried, *additional)
+    out = apply(cond_fn, body_fn, len(carried), _CHECKPOINT.get(), *carried, *additional)[1:]
+    return out[0] if len(out) == 1 else out

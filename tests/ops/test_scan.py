@@ -20,6 +20,7 @@ from harness import (
 )
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from uninitialized import all_finite, observer, traced_with_nan_fill
 
 import hop
 from hop.errors import HopError, HopTypeError, HopValueError, MutationError, OutputMismatchError
@@ -479,3 +480,39 @@ def test_in_place_update_runs_in_eager_and_is_refused_when_traced() -> None:
         MutationError, match=r"^hop.scan: combine_fn \(.*\.f \(test_scan.py:\d+\)\) writes its input 0 in"
     ):
         make_fx(lambda i, x: hop.scan(f, i, x), tracing_mode="fake")(torch.zeros(3), torch.ones(4, 3))
+
+
+# --- tracing bugs found by torch's own test suite ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [4, 0])
+def test_make_fx_real_never_runs_a_nested_loop_on_placeholder_values(length: int) -> None:
+    seen: list[torch.Tensor] = []
+    observe = observer(seen)
+
+    def inner_cond(j: torch.Tensor, w: torch.Tensor) -> Any:
+        observe(w)
+        return (j < 40) & ~(w.sum() >= 8)  # a data-dependent trip count; NaN keeps it going
+
+    def step(c: torch.Tensor, x: torch.Tensor) -> Any:
+        _, w = hop.while_loop(inner_cond, lambda j, w: (j + 1, w + 1), (torch.zeros((), dtype=torch.int64), c + x))
+        return w * 0.5, w.sum()
+
+    fn = lambda c, xs: hop.scan(step, c, xs)  # noqa: E731
+    gm = traced_with_nan_fill(fn, "real", (torch.zeros(3), torch.ones(length, 3)))
+    assert all_finite(seen), "a loop in combine_fn ran on uninitialized memory"
+    for n in (0, 3):
+        args = (torch.randn(3), torch.randn(n, 3))
+        assert_close(gm(*args), fn(*args))
+
+
+def with_a_new_tensor(c: torch.Tensor, xs: torch.Tensor) -> Any:  # torch.tensor in the body: no mutation
+    return hop.scan(lambda c, x: (c + x * torch.tensor([1.0, 2.0, 3.0]), c.sum() + torch.tensor([5.0])), c, xs)
+
+
+def test_a_combine_fn_building_a_tensor_from_python_data_traces_and_exports() -> None:
+    inputs = [(torch.randn(3), torch.randn(4, 3)), (torch.randn(3), torch.randn(4, 3))]
+    check_make_fx(with_a_new_tensor, scan_op, inputs[0], inputs)
+    with torch.no_grad():  # no closure lifting before the op: its proxy rule sees the constant first
+        check_make_fx(with_a_new_tensor, scan_op, inputs[0], inputs)
+    check_export(Programs(with_a_new_tensor), scan_op, inputs[0], inputs)

@@ -11,6 +11,7 @@ import torch
 from harness import check_autograd, check_eager, check_export, check_jvp, check_make_fx, check_vmap, roundtrip
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from uninitialized import all_finite, observer, traced_with_nan_fill
 
 import hop
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError
@@ -197,13 +198,6 @@ def test_checkpoint_gradcheck() -> None:
     x = torch.tensor([0.4, 0.2], dtype=torch.float64, requires_grad=True)
     fn = lambda a: hop.while_loop(lambda v: v.sum() < 3, lambda v: v * 1.3 + 0.1, (a,), checkpoint=True)[0]  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x,))
-
-
-def test_checkpoint_is_eager_only() -> None:
-    with pytest.raises(HopRuntimeError, match="checkpoint=True runs in eager only"):
-        torch.vmap(lambda a: hop.while_loop(lambda v: v.sum() < 3, lambda v: v + 1, (a,), checkpoint=True))(
-            torch.zeros(2, 1)
-        )
 
 
 # --- jvp and the torch.func family ----------------------------------------------------------------------
@@ -445,5 +439,277 @@ def test_checkpoint_is_first_order_only() -> None:
     x = torch.tensor([0.5, 0.2], dtype=torch.float64, requires_grad=True)
     y = hop.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v.sin()), (0, x), checkpoint=True)[1]
     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"does not require grad|once_differentiable"):  # not a silent zero
-        g.sum().backward()
+    with pytest.raises(HopRuntimeError, match=r"^hop.while_loop: .*checkpoint=True is first-order only"):
+        g.sum().backward()  # not a silent zero, nor torch's "does not require grad"
+
+
+# --- tracing bugs found by torch's own test suite ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_make_fx_of_a_nested_loop_never_runs_it_on_placeholder_values(mode: str) -> None:
+    seen: list[torch.Tensor] = []
+    observe = observer(seen)
+
+    def nested(x: torch.Tensor, n: torch.Tensor) -> Any:
+        def body(i: torch.Tensor, v: torch.Tensor) -> Any:
+            def inner_cond(j: torch.Tensor, w: torch.Tensor) -> Any:
+                observe(w)
+                return (j < 40) & ~(w.sum() >= 8)  # a data-dependent trip count; NaN keeps it going
+
+            _, w = hop.while_loop(inner_cond, lambda j, w: (j + 1, w + 1), (torch.zeros_like(i), v))
+            return i + 1, w * 0.5
+
+        return hop.while_loop(lambda i, v: i < n, body, (torch.zeros((), dtype=torch.int64), x))
+
+    def nested_ref(x: torch.Tensor, n: torch.Tensor) -> Any:
+        i, v = 0, x
+        while i < n:
+            j, w = 0, v
+            while j < 40 and not w.sum() >= 8:
+                j, w = j + 1, w + 1
+            i, v = i + 1, w * 0.5
+        return torch.tensor(i), v
+
+    gm = traced_with_nan_fill(nested, mode, (torch.ones(3), torch.tensor(3)))
+    assert all_finite(seen), "an inner loop ran on uninitialized memory"
+    assert any(n.target is while_loop_op for n in gm.graph.nodes)
+    for args in [(torch.full((3,), -2.0), torch.tensor(4)), (torch.ones(3) * 5, torch.tensor(0))]:
+        torch.testing.assert_close(gm(*args), nested_ref(*args))
+
+
+def with_a_new_tensor(i: torch.Tensor, x: torch.Tensor) -> Any:  # torch.tensor in the body: no mutation
+    return hop.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * torch.tensor([1.0, 2.0, 0.5]) + 1), (i, x))
+
+
+def test_a_body_building_a_tensor_from_python_data_traces_and_exports() -> None:
+    inputs = [(torch.tensor(0), torch.randn(3)), (torch.tensor(2), torch.randn(3)), (torch.tensor(5), torch.ones(3))]
+    check_make_fx(with_a_new_tensor, while_loop_op, inputs[0], inputs)
+    check_export(Programs(with_a_new_tensor), while_loop_op, inputs[0], inputs)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_raw_op_body_changing_a_carrys_dtype_or_count_is_refused_when_traced(mode: str) -> None:
+    def nonzero(c: torch.Tensor, a: torch.Tensor) -> Any:
+        return c - 1, a.nonzero()  # int64 where the carry is float32
+
+    def raw(c: torch.Tensor, a: torch.Tensor, body: Any) -> Any:
+        return while_loop_op(lambda c, a: c > 0, body, (c, a), ())
+
+    args = (torch.tensor(0), torch.randn(2, 3))
+    with pytest.raises(OutputMismatchError, match=r"^hop.while_loop: .* at carry\[1\]: dtype float32 vs int64"):
+        make_fx(lambda c, a: raw(c, a, nonzero), tracing_mode=mode)(*args)
+    with pytest.raises(OutputMismatchError, match=r"^hop.while_loop: .* different structures: \(\*, \*\) vs \(\*,\)"):
+        make_fx(lambda c, a: raw(c, a, lambda c, a: (c - 1,)), tracing_mode=mode)(*args)
+
+
+# --- linear-time traced reverse mode ----------------------------------------------------------------
+# Note [reverse mode of a traced loop] (hop/ops/_loop_reverse.py): the backward of a traced
+# loop stacks the carries (or, with checkpoint=True, one per segment of about sqrt(n)
+# steps) and pulls the cotangent through each step once.
+
+BODY_RUNS = [0]
+
+
+@torch.library.custom_op("hop_test_while_loop::zero_that_counts", mutates_args=())
+def zero_that_counts(x: torch.Tensor) -> torch.Tensor:
+    """Zeros like ``x``; counts its runs, so in a body it counts the body's runs in a traced graph."""
+    BODY_RUNS[0] += 1
+    return torch.zeros_like(x)
+
+
+@zero_that_counts.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def decay_step(checkpoint: bool, *, counted: bool = True) -> Any:
+    """A training step: gradients of a loop of n (a tensor) steps wrt its carry and a closed-over w."""
+
+    def body(i: int, y: torch.Tensor, w: torch.Tensor) -> Any:
+        out = torch.tanh(y * w + 0.1)
+        if counted:
+            out = out + zero_that_counts(y.detach())  # adds nothing, counts the run
+        return i + 1, out
+
+    def step(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+        _, y = hop.while_loop(lambda i, y: i < n, lambda i, y: body(i, y, w), (0, x), checkpoint=checkpoint)
+        return torch.autograd.grad(y.sum(), (x, w), allow_unused=True, materialize_grads=True)
+
+    return step
+
+
+def decay_step_ref(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = x
+    for _ in range(int(n)):
+        y = torch.tanh(y * w + 0.1)
+    return torch.autograd.grad(y.sum(), (x, w), allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize(("checkpoint", "runs_per_trip"), [(False, 3), (True, 4)])
+def test_traced_reverse_mode_runs_the_body_a_linear_number_of_times(checkpoint: bool, runs_per_trip: int) -> None:
+    # forward n, then stacking n and one vjp per step n (checkpoint: + replaying n);
+    # recomputing every step from the start would be n + n (n + 1) / 2
+    x, w = torch.rand(8), torch.tensor(0.9)
+    gm = make_fx(decay_step(checkpoint), tracing_mode="fake")(x, w, torch.tensor(5))
+    for n in (0, 1, 16, 64):
+        BODY_RUNS[0] = 0
+        got = gm(x, w, torch.tensor(n))
+        assert BODY_RUNS[0] == runs_per_trip * n
+        torch.testing.assert_close(got, decay_step_ref(x, w, torch.tensor(n)))
+
+
+def test_traced_fori_loop_with_static_bounds_is_linear_too() -> None:
+    def step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+        y = hop.fori_loop(0, 24, lambda i, y: torch.tanh(y * w + 0.1) + zero_that_counts(y.detach()), x)
+        return torch.autograd.grad(y.sum(), (x, w))
+
+    x, w = torch.rand(8), torch.tensor(0.9)
+    gm = make_fx(step, tracing_mode="fake")(x, w)
+    BODY_RUNS[0] = 0
+    got = gm(x * 2, w)
+    assert BODY_RUNS[0] == 3 * 24
+    torch.testing.assert_close(got, decay_step_ref(x * 2, w, torch.tensor(24)))
+
+
+def _hop_targets(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.target.name() for n in gm.graph.nodes if isinstance(n.target, hop.HigherOrderOperator)]
+
+
+def test_traced_reverse_mode_nests_no_loop_in_a_loop_body() -> None:
+    gm = make_fx(decay_step(False, counted=False), tracing_mode="fake")(
+        torch.rand(8), torch.tensor(0.9), torch.tensor(5)
+    )
+    assert _hop_targets(gm) == ["while_loop", "scan", "scan"]  # the counting forward, the stack, the vjps
+    bodies = [m for name, m in gm.named_modules() if name and isinstance(m, torch.fx.GraphModule)]
+    assert bodies and all(_hop_targets(b) == [] for b in bodies)
+
+
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements any tensor made while it is active has, loop bodies included
+    (hop's ops run their dense rule under it)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from hop.ops.scan import scan_dense
+        from hop.ops.while_loop import while_loop_dense
+
+        if isinstance(func, hop.HigherOrderOperator):
+            with self:
+                return {"while_loop": while_loop_dense, "scan": scan_dense}[func.name()](*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else [out]:
+            self.largest = max(self.largest, o.numel() if isinstance(o, torch.Tensor) else 0)
+        return out
+
+
+def test_traced_checkpoint_keeps_about_sqrt_n_carries() -> None:
+    x, w = torch.rand(16), torch.tensor(0.9)
+    default = make_fx(decay_step(False, counted=False), tracing_mode="fake")(x, w, torch.tensor(5))
+    ckpt = make_fx(decay_step(True, counted=False), tracing_mode="fake")(x, w, torch.tensor(5))
+    for n, carries in ((64, 8), (250, 16)):  # segments of ceil(sqrt(n)) steps, ceil(n / that) segments
+        for gm, most in ((default, n), (ckpt, carries)):
+            with _LargestTensor() as seen:
+                got = gm(x, w, torch.tensor(n))
+            assert seen.largest == most * x.numel()
+            torch.testing.assert_close(got, decay_step_ref(x, w, torch.tensor(n)))
+
+
+def issue_step(y0: torch.Tensor, w: torch.Tensor, n: torch.Tensor, checkpoint: bool = False) -> Any:
+    """The issue's program: y = tanh(y @ w) n times, gradients wrt the carry and w (a dict carry here)."""
+    y0, w = y0.detach().requires_grad_(), w.detach().requires_grad_()
+    i0 = torch.zeros((), dtype=torch.int64)
+    fns = (lambda i, y: i < n, lambda i, y: (i + 1, {"h": torch.tanh(y["h"] @ w)}))
+    _, y = hop.while_loop(*fns, (i0, {"h": y0}), checkpoint=checkpoint)
+    return torch.autograd.grad(y["h"].sum(), (y0, w), allow_unused=True, materialize_grads=True)
+
+
+W8 = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 0.3
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_traced_reverse_mode_exports(checkpoint: bool) -> None:
+    # make_fx of the training step, then torch.export of that graph: save/load and decompositions
+    y0 = torch.randn(4, 8)
+    gm = make_fx(lambda y, w, n: issue_step(y, w, n, checkpoint), tracing_mode="symbolic")(y0, W8, torch.tensor(3))
+    dims = {"args": ({0: torch.export.Dim("b")}, None, None)}
+    ep = torch.export.export(Programs(gm), (y0, W8, torch.tensor(3)), dynamic_shapes=dims)
+    assert _hop_targets(ep.graph_module).count("scan") == 2
+    programs = [ep, roundtrip(ep), roundtrip(ep).run_decompositions()]
+    for y, n in ((y0, 0), (y0, 1), (torch.randn(2, 8), 20)):
+        want = issue_step(y, W8, torch.tensor(n))
+        for program in programs:
+            torch.testing.assert_close(program.module()(y, W8, torch.tensor(n)), want)
+
+
+class Trained(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(W8.clone())
+
+    def forward(self, y0: torch.Tensor, n: torch.Tensor) -> Any:
+        return issue_step(y0, self.w, n)
+
+
+def test_torch_export_of_a_training_step_says_how_to_export_it() -> None:
+    message = (
+        r"^hop.while_loop: reverse mode through a loop cannot be traced by torch.export \(torch.autograd.grad "
+        r"inside the exported function: .*\)\. Trace the training step with make_fx\(step, tracing_mode='symbolic'\) "
+        r"and export that GraphModule, or export the forward only and differentiate ep.module\(\)\.$"
+    )
+    with pytest.raises(HopRuntimeError, match=message):
+        torch.export.export(Trained(), (torch.randn(4, 8), torch.tensor(3)))
+
+
+def test_traced_growing_carries_fall_back_to_recomputing_each_step() -> None:
+    def step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+        y = hop.while_loop(lambda s: s.shape[0] < 6, lambda s: (torch.cat([s, (s[-1:] * w).sin()]),), (x,))[0]
+        return torch.autograd.grad(y.sum(), (x, w), allow_unused=True, materialize_grads=True)
+
+    w = torch.tensor(0.7)
+    gm = make_fx(step, tracing_mode="symbolic")(torch.ones(2), w)
+    assert "scan" not in _hop_targets(gm)  # nothing stacked: sizes differ between steps
+    assert any(_hop_targets(b) for name, b in gm.named_modules() if name)  # the O(n^2) replay loops
+    for n in (2, 4, 7):
+        torch.testing.assert_close(gm(torch.linspace(0.1, 1, n), w), step(torch.linspace(0.1, 1, n), w))
+
+
+def test_make_fx_without_a_shape_env_recomputes_instead_of_baking_the_trip_count() -> None:
+    y0 = torch.randn(4, 8)
+    gm = make_fx(lambda y, w, n: issue_step(y, w, n), tracing_mode="real")(y0, W8, torch.tensor(5))
+    assert "scan" not in _hop_targets(gm)
+    for n in (0, 3, 11):
+        torch.testing.assert_close(gm(y0, W8, torch.tensor(n)), issue_step(y0, W8, torch.tensor(n)))
+
+
+def test_checkpoint_under_torch_func_vmap_and_traced_vmap() -> None:
+    def loss(x: torch.Tensor, w: torch.Tensor, checkpoint: bool) -> torch.Tensor:
+        fns = (lambda y: y.sum() < 10, lambda y: (y * w + 1.0,))
+        return hop.while_loop(*fns, (x,), checkpoint=checkpoint)[0].sin().sum()  # type: ignore[no-any-return]
+
+    xs, w = torch.tensor([[0.5, 1.0], [2.0, 3.0], [9.0, 9.0]]), torch.tensor(1.1)
+    per_row = torch.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None, None))
+    want = per_row(xs, w, False)
+    torch.testing.assert_close(torch.func.grad(loss)(xs[0], w, True), want[0][0])
+    torch.testing.assert_close(per_row(xs, w, True), want)
+    torch.testing.assert_close(make_fx(lambda a, b: per_row(a, b, True), tracing_mode="fake")(xs, w)(xs, w), want)
+
+
+def test_training_through_torch_compile_aot_eager() -> None:
+    # AOTAutograd traces the backward on functional tensors: the forward's trip count is known to it
+    m = Decay()
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="aot_eager")
+    for x in (torch.ones(3), torch.ones(3) * 50):
+        got = torch.autograd.grad(compiled(x.requires_grad_())[1].sum(), (x, m.rate))
+        want = torch.autograd.grad(m(x)[1].sum(), (x, m.rate))
+        torch.testing.assert_close(got, want)
