@@ -26,8 +26,8 @@ from torch._C import DispatchKey
 from torch._C._functorch import TransformType
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hop import _dispatch, _dynamo_hook
-from hop.errors import HopTypeError, HopValueError, format_message
+from hop import _dispatch, _transforms
+from hop.errors import HopTypeError, HopValueError, UnknownOperatorError, format_message, type_name
 
 __all__ = ["HigherOrderOperator", "registered_ops"]
 
@@ -36,6 +36,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # Every hop operator by name: the source of truth for torch.ops.hop.
 _REGISTRY: dict[str, HigherOrderOperator] = {}
 _MISSING = object()
+# hop's own operators (hop/ops): saved programs refer to them by these names, so a
+# user op may not take one over once hop has defined it.
+_OWN = frozenset({"cond", "switch", "while_loop", "map", "scan", "associative_scan"})
 
 
 class _HopNamespace(torch._ops._OpNamespace):
@@ -82,11 +85,13 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
     Args:
         name: a Python identifier; the op becomes ``torch.ops.hop.<name>``.
             Creating a second op with the same name replaces the first in
-            ``torch.ops.hop`` (as re-running a module that defines it would).
+            ``torch.ops.hop`` (as re-running a module that defines it would);
+            the names of hop's own operators (``cond``, ``switch``, ...) are refused.
         cacheable: forwarded to torch (AOTAutograd's cache may key on it).
-        dynamo_traceable: whether torch.compile may trace a raw call of the op
-            with Dynamo's handler for torch's operator of the same name; by
-            default Dynamo breaks the graph and calls it eagerly (hop._dynamo_hook).
+
+    Under ``torch.compile``, Dynamo breaks the graph at a call of an operator
+    that hop has no Dynamo handler for (every user-defined one) and runs it
+    eagerly through hop's dispatcher (see ``hop.compile.dynamo``).
 
     Example::
 
@@ -97,10 +102,20 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             return fn(*tensors)
     """
 
-    def __init__(self, name: str, *, cacheable: bool = False, dynamo_traceable: bool = False) -> None:
+    def __init__(self, name: str, *, cacheable: bool = False) -> None:
         if not isinstance(name, str) or not name.isidentifier():
             raise HopValueError(
                 format_message("HigherOrderOperator", f"name must be a Python identifier, got {name!r}"),
+                role="name",
+            )
+        if name in _OWN and name in _REGISTRY:
+            raise HopValueError(
+                format_message(
+                    "HigherOrderOperator",
+                    f"the name {name!r} is hop's own torch.ops.hop.{name}; a second operator of that name "
+                    "would replace it, and programs saved with it would load yours",
+                    fix="Choose another name.",
+                ),
                 role="name",
             )
         registry = torch._ops._higher_order_ops
@@ -119,10 +134,10 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
         self._hop_kernels: dict[DispatchKey, Callable[..., Any]] = {}
         _REGISTRY[name] = self
         _install_namespace()
-        if not dynamo_traceable:
-            _dynamo_hook.hide(self)
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0] is _transforms.DYNAMO_CALL:  # Note [public functions under Dynamo]
+            return args[1](*args[2:], **kwargs)
         return _dispatch.call(self, args, kwargs)
 
     def dispatch(self, /, dispatch_key: DispatchKey, *args: Any, **kwargs: Any) -> Any:
@@ -142,7 +157,17 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
                 format_message(
                     self.name(),
                     f"py_impl takes a DispatchKey, TransformType, TorchDispatchMode type or Tensor "
-                    f"subclass, got {type(k).__name__}",
+                    f"subclass, got {type_name(k)}",
+                ),
+                op=self.name(),
+            )
+        if k == DispatchKey.Python:  # torch would assert
+            raise HopValueError(
+                format_message(
+                    self.name(),
+                    "py_impl(DispatchKey.Python): the Python key is served by rules per "
+                    "TorchDispatchMode type and per tensor subclass",
+                    fix="Register py_impl(YourMode) or py_impl(YourTensorSubclass) instead.",
                 ),
                 op=self.name(),
             )
@@ -161,6 +186,11 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
         register = super().py_impl(k)
 
         def inner(fn: _F) -> _F:
+            if not callable(fn):
+                raise HopTypeError(
+                    format_message(self.name(), f"py_impl({k}) registers a function, got {type_name(fn)}"),
+                    op=self.name(),
+                )
             self._hop_kernels.clear()
             register(fn)
             return fn
@@ -188,7 +218,20 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
 
 
 def _lookup_op(name: str) -> HigherOrderOperator:
-    return _REGISTRY[name]
+    """The operator a pickle refers to by name (see ``HigherOrderOperator.__reduce__``)."""
+    op = _REGISTRY.get(name)
+    if op is None:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        raise UnknownOperatorError(
+            format_message(
+                name,
+                f"a pickled program refers to the operator torch.ops.hop.{name}, which is not defined in this "
+                f"process (hop operators defined: {known})",
+                fix=f"Import the module that creates hop.HigherOrderOperator({name!r}) before unpickling.",
+            ),
+            op=name,
+        )
+    return op
 
 
 _install_namespace()

@@ -25,7 +25,7 @@ __all__ = [
     "is_included",
     "PRE_DISPATCH",
     "is_dynamo_compiling",
-    "outside_dynamo",
+    "DYNAMO_CALL",
     "place",
     "jvp",
 ]
@@ -86,18 +86,19 @@ def is_concrete(x: Any) -> bool:
 
 is_dynamo_compiling = torch.compiler.is_dynamo_compiling  # False, except while Dynamo traces
 
+DYNAMO_CALL = "hop: a public function's call, traced by Dynamo"
+"""First argument of a raw op called by a public function under Dynamo: the public
+function and its arguments follow, ``cond_op(DYNAMO_CALL, hop.cond, pred, ...)``.
 
-def outside_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` as plain Python while Dynamo traces the caller.
-
-    hop's operators are Python all the way down; traced by Dynamo they would
-    be inlined piecemeal (and compiled, fake-tensor checks included). Instead
-    Dynamo breaks the graph here and the operator runs eagerly.
-    """
-    import torch._dynamo
-
-    disable: Callable[..., Callable[..., Any]] = torch._dynamo.disable
-    return disable(fn, recursive=True, reason="hop operators run eagerly under torch.compile")(*args)
+Note [public functions under Dynamo]
+Traced by Dynamo (``torch.compile``, ``torch.export(strict=True)``), a public
+function passes its own arguments to its raw op, behind this marker, and does
+nothing else: Dynamo's handler of the raw op (``hop.compile.dynamo``) does the
+function's work (checks, pytrees, dimensions) at trace time and records one node.
+If the handler cannot capture the call, Dynamo breaks the graph there and runs the
+call eagerly: the raw op, seeing the marker, runs the public function, as plain
+Python (Dynamo skips every frame under a raw op's ``__call__``).
+"""
 
 
 def unwrap_batched(values: Sequence[Any], level: int) -> tuple[list[Any], list[int | None]]:

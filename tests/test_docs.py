@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,12 @@ def test_every_page_is_checked() -> None:
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_examples_run(page: Path) -> None:
     blocks = BLOCK.findall(page.read_text())
-    namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
-    for i, block in enumerate(blocks):
-        code = compile(block, f"{page.name}[block {i}]", "exec")
-        exec(code, namespace)
+    # A real module: Dynamo (strict export) imports the module of the code it traces.
+    module = types.ModuleType(f"docs_{page.stem}")
+    sys.modules[module.__name__] = module
+    try:
+        for i, block in enumerate(blocks):
+            code = compile(block, f"{page.name}[block {i}]", "exec")
+            exec(code, module.__dict__)
+    finally:
+        del sys.modules[module.__name__]

@@ -135,40 +135,44 @@ def test_torch_library_ops_in_the_hop_namespace_still_resolve() -> None:
     torch.testing.assert_close(torch.ops.hop.twice_lib(torch.ones(2)), torch.full((2,), 2.0))
 
 
-def test_dynamo_graph_breaks_on_raw_ops_it_would_mistake_for_torchs() -> None:
-    # Dynamo picks its handler by name: without hop's hook it would trace the raw
-    # while_loop / scan of an exported program as torch's, and fail.
-    class Loop(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return hop.while_loop(lambda c: c.sum() < 10, lambda c: (c + 1,), (x,))[0]  # type: ignore[no-any-return]
+def test_dynamo_breaks_the_graph_at_an_operator_it_has_no_handler_for() -> None:
+    # test_apply has no Dynamo handler: the call runs eagerly between two graphs, and
+    # fullgraph=True names the operator (hop.compile.dynamo).
+    from torch._dynamo.utils import counters
 
-    class Scan(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return hop.scan(lambda c, y: (c + y, c * y), torch.zeros(3), x)[1]  # type: ignore[no-any-return]
+    from hop.errors import CompileUnsupported
 
-    x = torch.randn(4, 3)
-    for model in (Loop(), Scan()):
-        torch._dynamo.reset()
-        ep = torch.export.export(model, (x,))
-        with pytest.warns(UserWarning, match="torch.ops.hop"):
-            out = torch.compile(ep.module())(x)
-        torch.testing.assert_close(out, model(x))
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return apply(lambda t: t + 1, x * 2) * 3  # type: ignore[no-any-return]
+
+    x = torch.randn(3)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.testing.assert_close(torch.compile(f, backend="eager")(x), f(x))
+    reason = "hop.test_apply: a hop.HigherOrderOperator with no Dynamo handler"
+    assert any(key.startswith(reason) for key in counters["graph_break"])
+    torch._dynamo.reset()
+    with pytest.raises(CompileUnsupported, match=f"^{reason}"):
+        torch.compile(f, backend="eager", fullgraph=True)(x)
 
 
-def test_dynamo_hook_registers_ops_made_before_dynamo_is_imported() -> None:
+def test_dynamo_handlers_are_registered_lazily_also_for_ops_made_before_dynamo() -> None:
     import subprocess
     import sys
 
     code = (
         "import sys, hop\n"
         "assert 'torch._dynamo' not in sys.modules\n"
-        "late = hop.HigherOrderOperator('made_before_dynamo')\n"
-        "import torch._dynamo.trace_rules as rules\n"
-        "from hop.ops.while_loop import while_loop_op\n"
-        "from hop.ops.cond import cond_op\n"
-        "assert rules.is_callable_disallowed(while_loop_op) and rules.is_callable_disallowed(late)\n"
-        "assert not rules.is_callable_disallowed(cond_op)\n"
+        "named_like_torch = hop.HigherOrderOperator('wrap')\n"
+        "import torch, torch._dynamo\n"
+        "from torch._dynamo.variables import higher_order_ops as h\n"
+        "from hop.compile._dynamo_capture import UnhandledVariable\n"
+        "from hop.compile._dynamo_branching import CondVariable\n"
         "after = hop.HigherOrderOperator('made_after_dynamo')\n"
-        "assert rules.is_callable_disallowed(after)\n"
+        "assert isinstance(h.TorchHigherOrderOperatorVariable.make(hop.ops.cond.cond_op), CondVariable)\n"
+        "assert isinstance(h.TorchHigherOrderOperatorVariable.make(named_like_torch), UnhandledVariable)\n"
+        "assert isinstance(h.TorchHigherOrderOperatorVariable.make(after), UnhandledVariable)\n"
+        "torch_cond = h.TorchHigherOrderOperatorVariable.make(torch.ops.higher_order.cond)\n"
+        "assert isinstance(torch_cond, h.CondHigherOrderVariable)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

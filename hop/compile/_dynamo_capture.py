@@ -1,0 +1,476 @@
+"""The pieces hop's Dynamo handlers share (see :mod:`hop.compile.dynamo`).
+
+A handler works on Dynamo's ``VariableTracker``s. To check a call it reads their
+example values (fake tensors, SymInts, constants) and hands them to hop's own
+eager checks, so that a mistake gives the message eager gives. To capture a
+callable it runs Dynamo's ``speculate_subgraph``, which traces the callable into
+a subgraph and lifts what it closes over (module parameters and buffers, other
+tensors, sizes) to extra inputs. The node's output metadata comes from hop's own
+fake rule (the node is run on fake tensors), so unified unbacked sizes, growing
+carries and cloned aliases are hop's.
+
+Everything here imports torch._dynamo: it is loaded only once Dynamo is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, cast
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._dynamo.exc import Unsupported
+from torch._dynamo.utils import _make_inlined, get_fake_value
+from torch._dynamo.variables import ConstantVariable, TupleVariable, VariableTracker
+from torch._dynamo.variables.builder import SourcelessBuilder, wrap_fx_proxy
+from torch._dynamo.variables.higher_order_ops import (
+    TorchHigherOrderOperatorVariable,
+    discard_graph_changes,
+    make_attr,
+    speculate_subgraph,
+)
+from torch._dynamo.variables.lazy import LazyVariableTracker
+from torch._dynamo.variables.lists import BaseListVariable
+from torch._dynamo.variables.tensor import SymNodeVariable
+
+from hop._transforms import DYNAMO_CALL
+from hop.errors import CompileUnsupported, HopError, format_message
+
+__all__ = [
+    "VT",
+    "HopVariable",
+    "Subgraph",
+    "UnhandledVariable",
+    "as_graph_break",
+    "bare_single_output",
+    "callable_stand_in",
+    "check_spec_order",
+    "constant",
+    "drop_constant_inputs",
+    "emit",
+    "example",
+    "example_tree",
+    "flatten",
+    "fresh",
+    "fresh_input",
+    "hop_errors_break_graph",
+    "install",
+    "items",
+    "method",
+    "output_items",
+    "proxies",
+    "share_lifted",
+    "shown",
+    "speculate",
+    "unbound_dims",
+    "unflatten",
+    "unsupported",
+]
+
+VT = VariableTracker
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+_BREAKING: dict[type[HopError], type[Exception]] = {}
+
+
+def _breaking(cls: type[HopError]) -> type[Exception]:
+    """``cls`` that is also Dynamo's ``Unsupported``: a graph break without fullgraph,
+    and, with it, the HopError the user catches."""
+    if cls not in _BREAKING:
+
+        def init(self: Any, error: HopError) -> None:
+            Unsupported.__init__(self, str(error), gb_type=f"hop: {cls.__name__}")
+            self.op, self.role, self.path = error.op, error.role, error.path
+
+        _BREAKING[cls] = type(cls.__name__, (cls, Unsupported), {"__init__": init, "__module__": cls.__module__})
+    return _BREAKING[cls]
+
+
+def as_graph_break(error: HopError) -> Exception:
+    """``error`` as a graph break that is still an instance of its own class."""
+    if isinstance(error, Unsupported):
+        return error
+    breaking = _breaking(type(error))(error)
+    breaking.__cause__ = error.__cause__
+    return breaking
+
+
+def unsupported(op: str, feature: str, fix: str) -> Exception:
+    """:class:`CompileUnsupported` for a feature of ``op`` that runs eagerly but cannot be captured."""
+    error = CompileUnsupported(
+        format_message(op, f"{feature} runs in eager but torch.compile cannot capture it", fix=fix), op=op
+    )
+    return as_graph_break(error)
+
+
+def _hop_cause(error: BaseException) -> HopError | None:
+    """The HopError that ``error`` wraps (Dynamo wraps what fails in fake propagation)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, HopError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+@contextmanager
+def hop_errors_break_graph() -> Iterator[None]:
+    """A HopError raised inside (by hop's checks, or by its fake rule during fake
+    propagation) leaves as a graph break that is still that HopError."""
+    try:
+        yield
+    except Unsupported as e:
+        cause = _hop_cause(e)
+        if cause is None or isinstance(e, HopError):
+            raise
+        raise as_graph_break(cause) from None
+    except HopError as e:
+        raise as_graph_break(e) from None
+
+
+# --- values ------------------------------------------------------------------------------
+
+
+def constant(value: Any) -> VT:
+    made: VT = ConstantVariable.create(value)
+    return made
+
+
+def items(tx: Any, vt: VT) -> list[VT]:
+    """The elements of a tuple or list variable."""
+    return list(vt.unpack_var_sequence(tx))
+
+
+def flatten(tx: Any, tree: VT) -> tuple[list[VT], VT]:
+    """Leaves and structure of a pytree of variables (torch.utils._pytree's order)."""
+    leaves, spec = items(tx, _make_inlined(tx, pytree.tree_flatten)(tree))
+    return items(tx, leaves), spec
+
+
+def unflatten(tx: Any, leaves: Sequence[VT], spec: VT | pytree.TreeSpec) -> VT:
+    spec_vt = spec if isinstance(spec, VT) else SourcelessBuilder.create(tx, spec)
+    return _make_inlined(tx, pytree.tree_unflatten)(SourcelessBuilder.create(tx, list(leaves)), spec_vt)
+
+
+def example(vt: VT) -> Any:
+    """The value a leaf variable stands for: a fake tensor, a SymInt, a constant, or the object."""
+    vt = vt.realize()
+    if vt.is_tensor():
+        return vt.as_proxy().node.meta["example_value"]
+    if isinstance(vt, SymNodeVariable):
+        return vt.sym_num
+    if vt.is_python_constant():
+        try:
+            return vt.as_python_constant()
+        except NotImplementedError:
+            pass
+    for attr in ("value", "fn"):
+        if hasattr(vt, attr):
+            return getattr(vt, attr)
+    return vt
+
+
+def shown(vt: VT) -> Any:
+    """What a message saying ``got <type>`` names: a tensor is a ``Tensor`` (its example is
+    a ``FakeTensor``)."""
+    return torch.empty(0, device="meta") if vt.realize().is_tensor() else example(vt)
+
+
+def example_tree(tx: Any, tree: VT) -> Any:
+    """``tree`` with every leaf replaced by :func:`example`, for hop's eager checks."""
+    leaves, spec = flatten(tx, tree)
+    return pytree.tree_unflatten([example(leaf) for leaf in leaves], spec.as_python_constant())
+
+
+def callable_stand_in(tx: Any, vt: VT) -> Any:
+    """What hop's checks see for a function argument: the user's function (or a function
+    with its code, so messages name it), or the value itself when it is not callable."""
+    from torch._dynamo.variables.builtin import BuiltinVariable
+
+    vt = vt.realize()
+    if not BuiltinVariable(callable).call_function(tx, [vt], {}).as_python_constant():
+        return example(vt)
+    for attr in ("fn", "value"):
+        obj = getattr(vt, attr, None)
+        if callable(obj):
+            return obj
+    if hasattr(vt, "get_code"):  # a function made inside the compiled code
+        code = vt.get_code()
+        cells = tuple(types.CellType() for _ in code.co_freevars)
+        return types.FunctionType(code, {}, code.co_name, None, cells)
+    return _Traced()
+
+
+class _Traced:
+    """A callable Dynamo traces but whose Python object it does not have (a partial, ...)."""
+
+    __qualname__ = "<callable traced by torch.compile>"
+
+    def __call__(self, *args: Any) -> Any:
+        raise AssertionError("a stand-in is never called")
+
+
+def method(tx: Any, vt: VT, name: str, *args: Any) -> VT:
+    """``vt.name(*args)`` recorded in the current graph (``args`` constants or variables)."""
+    return vt.call_method(tx, name, [a if isinstance(a, VT) else constant(a) for a in args], {})
+
+
+def fresh_input(tx: Any, value: Any) -> VT:
+    """A variable whose example value is ``value`` (a fake tensor or SymInt), to trace a
+    callable with: only its metadata is read, its graph input is discarded."""
+    with discard_graph_changes(tx):
+        tracer = tx.output.current_tracer
+        for size in [value.shape[d] for d in unbound_dims(value)]:  # else Dynamo looks for them in the parent
+            if size.node.expr not in tracer.bound_symbols:
+                tracer.create_graph_input(str(size.node.expr), torch.SymInt, size)
+        proxy = tracer.create_graph_input("hop_example", type(value), value)
+        if isinstance(value, torch.SymInt):
+            return SymNodeVariable.create(tx, proxy, value)
+        return wrap_fx_proxy(tx, proxy, example_value=value)
+
+
+def unbound_dims(value: Any) -> list[int]:
+    """The dimensions of tensor ``value`` whose sizes are unbacked symbols of their own (a
+    loop's generalized carry): no graph binds them, so a subgraph taking ``value`` must."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not isinstance(value, torch.Tensor):
+        return []
+    return [
+        d
+        for d, s in enumerate(value.shape)
+        if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol and free_unbacked_symbols(s)
+    ]
+
+
+def fresh(tx: Any, values: Sequence[Any]) -> list[VT]:
+    """Variables standing for fresh copies of ``values`` (fake tensors, SymInts)."""
+    with tx.fake_mode:
+        copies = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+    return [fresh_input(tx, v) for v in copies]
+
+
+def proxies(values: Sequence[VT]) -> list[Any]:
+    return [v.as_proxy() for v in values]
+
+
+# --- subgraphs ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Subgraph:
+    """One callable traced by Dynamo: its graph, what it lifted, its flat outputs."""
+
+    graph: torch.fx.Graph
+    lifted: dict[torch.fx.Proxy, torch.fx.Proxy]  # parent value -> placeholder
+    outputs: list[VT]  # flat, in torch.utils._pytree's order
+    spec: VT  # the structure of what the callable returned
+
+    def out_spec(self) -> pytree.TreeSpec:
+        spec: pytree.TreeSpec = self.spec.as_python_constant()
+        return spec
+
+
+def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgraph:
+    """Trace ``fn(*args)`` into a subgraph taking the leaves of ``args`` then what it lifts."""
+    name = op.__name__
+    try:
+        (out, spec), graph, lifted = speculate_subgraph(
+            tx,
+            fn,
+            list(args),
+            {},
+            f"hop.{name} {role}",
+            source_target=op,
+            set_subgraph_inputs="flatten_manual",
+            should_flatten_outputs=True,
+            remove_consts_from_outputs=False,
+            supports_input_mutation=True,
+            supports_aliasing=True,
+        )
+    except Unsupported as e:
+        if isinstance(e, HopError):  # a nested operator's own error
+            raise
+        reason = str(e.msg).split("\n", 1)[0]
+        raise unsupported(
+            name,
+            f"{role}, which Dynamo cannot trace into one graph ({reason}),",
+            fix=f"Keep {role} traceable (no Python branching on tensor values, no I/O), or call the operator "
+            "outside the compiled function.",
+        ) from e
+    if getattr(graph, "_dynamo_mutated_input_indices", None):
+        raise unsupported(
+            name,
+            f"{role} writing one of its inputs in place",
+            fix=f"Return the new value from {role} instead of writing the input.",
+        )
+    _unbatch_placeholders(graph)
+    return Subgraph(graph, dict(lifted), items(tx, out), cast(VT, spec.treespec))  # a variable, despite its annotation
+
+
+def _unbatch_placeholders(graph: torch.fx.Graph) -> None:
+    """Under vmap a placeholder's example value is a BatchedTensor, from which Dynamo's
+    runtime-assert pass cannot read a symbolic size (no batching rule for sym_size):
+    keep the tensor under the batch wrappers, whose sizes include the batch's."""
+    for node in graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and torch._C._functorch.is_batchedtensor(value):
+            while torch._C._functorch.is_functorch_wrapped_tensor(value):
+                value = torch._C._functorch.get_unwrapped(value)
+            node.meta["example_value"] = value
+
+
+def drop_constant_inputs(graph: torch.fx.Graph, leaves: Sequence[VT]) -> list[VT]:
+    """Remove the placeholders Dynamo made for Python constants among ``leaves`` (the
+    constant is baked into the graph, as hop's own tracing binds ints), keeping the rest."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][: len(leaves)]
+    kept = []
+    for node, leaf in zip(placeholders, leaves, strict=True):
+        if leaf.is_python_constant() and not node.users:
+            graph.erase_node(node)
+        else:
+            kept.append(leaf)
+    return kept
+
+
+def share_lifted(subgraphs: Sequence[Subgraph]) -> list[torch.fx.Proxy]:
+    """Give every subgraph the same lifted inputs, in one order; their parent values."""
+    union: dict[torch.fx.Proxy, None] = {}
+    for sub in subgraphs:
+        union.update(dict.fromkeys(sub.lifted))
+    for sub in subgraphs:
+        graph = sub.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        own = placeholders[: len(placeholders) - len(sub.lifted)]
+        ordered = []
+        for parent in union:
+            if parent in sub.lifted:
+                ordered.append(sub.lifted[parent].node)
+                continue
+            with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
+                node = graph.placeholder(parent.node.name)
+            node.meta = dict(parent.node.meta)
+            ordered.append(node)
+        anchor = next(n for n in graph.nodes if n.op != "placeholder")
+        for node in [*own, *ordered]:
+            anchor.prepend(node)
+        graph.lint()
+    return list(union)
+
+
+def bare_single_output(graph: torch.fx.Graph, *, tensors_only: bool = True) -> None:
+    """A subgraph with one output returns it bare: hop's raw-op convention for a
+    branch's lone tensor (a 1-tuple does not survive torch.export's save/load), and
+    what a loop condition returns."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    (values,) = out.args
+    if not isinstance(values, (tuple, list)) or len(values) != 1:
+        return
+    value = values[0]
+    if not tensors_only or isinstance(getattr(value, "meta", {}).get("example_value"), torch.Tensor):
+        out.args = (value,)
+
+
+def install(tx: Any, name: str, graph: torch.fx.Graph) -> torch.fx.Proxy:
+    """Register ``graph`` as a submodule of the graph being built; a get_attr to it."""
+    graph.lint()
+    gm = torch.fx.GraphModule(dict(tx.output.nn_modules), graph)
+    return make_attr(tx, tx.output.install_subgraph(name, gm))
+
+
+def emit(tx: Any, op: Any, args: tuple[Any, ...]) -> VT:
+    """Record ``op(*args)`` and its output, whose metadata hop's own fake rule gives."""
+    proxy = tx.output.create_proxy("call_function", op, args, {})
+    with hop_errors_break_graph():
+        value = get_fake_value(proxy.node, tx)
+    return wrap_fx_proxy(tx, proxy, example_value=value)
+
+
+def output_items(out: VT) -> list[VT]:
+    """The flat outputs of a node that returns a bare value for one leaf, else a tuple."""
+    return list(out.items) if isinstance(out, BaseListVariable) else [out]
+
+
+def check_spec_order(op: str, specs: Sequence[pytree.TreeSpec], what: str) -> None:
+    """Dynamo flattens a dict in insertion order (hop's eager checks sort keys): the same
+    keys in another order would pair the wrong leaves, so that is refused."""
+    if any(not _same_dict_order(specs[0], spec) for spec in specs[1:]):
+        raise unsupported(
+            op,
+            f"{what} with dicts whose keys come in different orders",
+            fix="Build the dicts with their keys in the same order.",
+        )
+
+
+def _same_dict_order(a: pytree.TreeSpec, b: pytree.TreeSpec) -> bool:
+    if a.num_children != b.num_children:
+        return True  # a different structure, which hop's own checks report
+    if a.type is dict and b.type is dict and a.context != b.context:
+        return False
+    return all(_same_dict_order(x, y) for x, y in zip(a.children(), b.children(), strict=True))
+
+
+# --- the handler base ---------------------------------------------------------------------
+
+
+class HopVariable(TorchHigherOrderOperatorVariable):
+    """Dynamo's view of a call of one of hop's raw ops: as written in the program, or
+    made by a public function (Note [public functions under Dynamo] in hop._transforms)."""
+
+    _HOP_NAME = "hop"
+    # Unlike torch's control-flow handlers: a graph break here is not an error, the call
+    # then runs eagerly (with fullgraph=True, Dynamo raises it).
+    _ALLOW_FALLBACK_TO_EAGER = True
+
+    def _call_function(self, tx: Any, args: Sequence[VT], kwargs: dict[str, VT]) -> VT:
+        args, kwargs = LazyVariableTracker.realize_all((list(args), dict(kwargs)))
+        with hop_errors_break_graph():
+            if args and isinstance(args[0], ConstantVariable) and args[0].value == DYNAMO_CALL:
+                public = example(args[1])
+                bound = inspect.signature(public).bind(*args[2:], **kwargs)
+                bound.apply_defaults()
+                params = {name: _as_variable(value) for name, value in bound.arguments.items()}
+                return self.public_call(tx, public.__name__, params)
+            if kwargs:
+                name = self.value.__name__
+                raise unsupported(name, "a raw operator call with keyword arguments", fix="Pass them positionally.")
+            return self.raw_call(tx, list(args))
+
+    def public_call(self, tx: Any, public: str, params: dict[str, VT]) -> VT:
+        """``hop.<public>(**params)`` (``public`` is ``fori_loop`` for the while_loop op)."""
+        raise NotImplementedError
+
+    def raw_call(self, tx: Any, args: list[VT]) -> VT:
+        """``torch.ops.hop.<op>(*args)``, in the raw op's layout."""
+        raise NotImplementedError
+
+
+def _as_variable(value: Any) -> VT:
+    """A bound argument as a variable: defaults are Python values, ``*args`` a tuple."""
+    if isinstance(value, VT):
+        return value
+    if isinstance(value, tuple):
+        return TupleVariable([_as_variable(v) for v in value])
+    return constant(value)
+
+
+class UnhandledVariable(HopVariable):
+    """A hop operator with no handler (one a user defined): Dynamo breaks the graph."""
+
+    _HOP_NAME = "hop (user-defined operator)"
+
+    def _call_function(self, tx: Any, args: Sequence[VT], kwargs: dict[str, VT]) -> VT:
+        name = self.value.__name__
+        raise unsupported(
+            name,
+            "a hop.HigherOrderOperator with no Dynamo handler (every user-defined one)",
+            fix="Without fullgraph=True, Dynamo breaks the graph at the call and the operator runs eagerly.",
+        )

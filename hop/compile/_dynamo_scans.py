@@ -1,0 +1,211 @@
+"""Dynamo's handlers of ``hop.scan``, ``hop.map``, ``hop.associative_scan`` and their raw ops.
+
+- ``scan`` -> ``scan(body_graph, init, xs, additional, reverse)``;
+- ``map`` -> ``map(body_graph, xs, additional)``;
+- ``associative_scan`` -> ``associative_scan(combine_graph, xs, additional, combine_mode)``;
+
+``xs`` the leaves moved so that the scanned dimension is dim 0 (and flipped for a
+reverse associative_scan), ``additional`` followed by what the function lifts.
+The function is traced on fresh values: the carry, one slice of each leaf of
+``xs`` (see :mod:`hop.compile.dynamo`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.utils._pytree as pytree
+from torch._dynamo.variables import TupleVariable
+
+from hop.compile._dynamo_capture import (
+    VT,
+    HopVariable,
+    Subgraph,
+    callable_stand_in,
+    check_spec_order,
+    drop_constant_inputs,
+    emit,
+    example,
+    example_tree,
+    flatten,
+    fresh,
+    fresh_input,
+    install,
+    items,
+    method,
+    output_items,
+    proxies,
+    share_lifted,
+    speculate,
+    unflatten,
+)
+from hop.errors import HopTypeError, HopValueError, format_message
+from hop.ops import _looping as lp
+from hop.ops import associative_scan as associative_scan_module
+from hop.ops import map as map_module
+from hop.ops import scan as scan_module
+
+__all__ = ["HANDLERS"]
+
+
+def _slices(tx: Any, xs: Sequence[VT]) -> list[VT]:
+    """Fresh values shaped like one slice along dim 0 of each of ``xs``."""
+    with tx.fake_mode:
+        slices = lp.empty_slices([example(x) for x in xs], [0] * len(xs))
+    return [fresh_input(tx, s) for s in slices]
+
+
+class ScanVariable(HopVariable):
+    _HOP_NAME = "hop.scan"
+
+    def public_call(self, tx: Any, public: str, params: dict[str, VT]) -> VT:
+        combine_fn, init, xs = params["combine_fn"], params["init"], params["xs"]
+        dim_vt, reverse_vt = params["dim"], params["reverse"]
+        fn = callable_stand_in(tx, combine_fn)
+        lp.check_callable("scan", "combine_fn", fn)
+        reverse, dim = example(reverse_vt), example(dim_vt)
+        if type(reverse) is not bool:
+            raise HopTypeError(
+                format_message("scan", f"reverse must be a bool, got {type(reverse).__name__}"),
+                op="scan",
+                role="reverse",
+            )
+        init_leaves, init_spec = flatten(tx, init)
+        xs_leaves, xs_spec = flatten(tx, xs)
+        init_values = [example(leaf) for leaf in init_leaves]
+        lp.check_leaves("scan", "init", example_tree(tx, init), init_values)
+        dims, _ = lp.check_xs("scan", example_tree(tx, xs), [example(x) for x in xs_leaves], dim)
+        moved = [method(tx, x, "movedim", d, 0) if d else x for x, d in zip(xs_leaves, dims, strict=True)]
+        carry, x = unflatten(tx, fresh(tx, init_values), init_spec), unflatten(tx, _slices(tx, moved), xs_spec)
+        body = speculate(tx, self.value, "combine_fn", combine_fn, [carry, x])
+        y_spec = _check_scan_body(fn, example_tree(tx, init), body, dim)
+        out = self.emit(tx, body, init_leaves, moved, [], reverse)
+        nc = len(init_leaves)
+        ys = [method(tx, y, "movedim", 0, lp.stack_dim(dim, example(y).dim() - 1)) if dim else y for y in out[nc:]]
+        return TupleVariable([unflatten(tx, out[:nc], init_spec), unflatten(tx, ys, y_spec)])
+
+    def raw_call(self, tx: Any, args: list[VT]) -> VT:
+        body_fn, init, xs, additional, reverse = args
+        init_leaves, xs_leaves, extra = items(tx, init), items(tx, xs), items(tx, additional)
+        examples = [*fresh(tx, [example(c) for c in init_leaves]), *_slices(tx, xs_leaves)]
+        body = speculate(tx, self.value, "body", body_fn, [*examples, *extra])
+        return _pack(self.emit(tx, body, init_leaves, xs_leaves, extra, example(reverse)))
+
+    def emit(self, tx: Any, body: Subgraph, init: list[VT], xs: list[VT], extra: list[VT], reverse: bool) -> list[VT]:
+        lifted = share_lifted([body])
+        graph = install(tx, "hop_scan_body", body.graph)
+        args = (graph, tuple(proxies(init)), tuple(proxies(xs)), (*proxies(extra), *lifted), reverse)
+        return output_items(emit(tx, self.value, args))
+
+
+def _check_scan_body(fn: Any, init: Any, body: Subgraph, dim: int) -> pytree.TreeSpec:
+    """scan's checks of what ``combine_fn`` returns (eager's messages); the structure of y."""
+    spec = body.out_spec()
+    outs = [example(o) for o in body.outputs]
+    if spec.type not in (tuple, list) or spec.num_children != 2:
+        raise lp.not_a_pair(scan_module.SCAN, fn, pytree.tree_unflatten(outs, spec))
+    carry_spec, y_spec = spec.children()
+    nc = carry_spec.num_leaves
+    lp.check_carry(scan_module.SCAN, fn, init, pytree.tree_unflatten(outs[:nc], carry_spec))
+    error = lp.ys_error(scan_module.SCAN, fn, [pytree.tree_unflatten(outs[nc:], y_spec)], dim, "y")
+    if error is not None:
+        raise error
+    check_spec_order("scan", [pytree.tree_structure(init), carry_spec], "init and next_carry")
+    return y_spec
+
+
+def _pack(out: list[VT]) -> VT:
+    """The raw ops' convention: a bare value for one leaf, else a tuple."""
+    return out[0] if len(out) == 1 else TupleVariable(out)
+
+
+class MapVariable(HopVariable):
+    _HOP_NAME = "hop.map"
+
+    def public_call(self, tx: Any, public: str, params: dict[str, VT]) -> VT:
+        f, xs, f_args = params["f"], params["xs"], params["args"]
+        fn = callable_stand_in(tx, f)
+        lp.check_callable("map", "f", fn)
+        xs_leaves, xs_spec = flatten(tx, xs)
+        arg_leaves, _ = flatten(tx, f_args)
+        lp.check_xs("map", example_tree(tx, xs), [example(x) for x in xs_leaves], 0)
+        lp.check_leaves("map", "args", example_tree(tx, f_args), [example(a) for a in arg_leaves], ints=True)
+        x = unflatten(tx, _slices(tx, xs_leaves), xs_spec)
+        body = speculate(tx, self.value, "f", f, [x, *items(tx, f_args)])
+        outs = [example(o) for o in body.outputs]
+        error = lp.ys_error(map_module.MAP, fn, [pytree.tree_unflatten(outs, body.out_spec())], 0, "output")
+        if error is not None:
+            raise error
+        extra = drop_constant_inputs(body.graph, [*xs_leaves, *arg_leaves])[len(xs_leaves) :]
+        return unflatten(tx, self.emit(tx, body, xs_leaves, extra), body.spec)
+
+    def raw_call(self, tx: Any, args: list[VT]) -> VT:
+        body_fn, xs, additional = args
+        xs_leaves, extra = items(tx, xs), items(tx, additional)
+        body = speculate(tx, self.value, "body", body_fn, [*_slices(tx, xs_leaves), *extra])
+        return _pack(self.emit(tx, body, xs_leaves, extra))
+
+    def emit(self, tx: Any, body: Subgraph, xs: list[VT], extra: list[VT]) -> list[VT]:
+        lifted = share_lifted([body])
+        graph = install(tx, "hop_map_body", body.graph)
+        return output_items(emit(tx, self.value, (graph, tuple(proxies(xs)), (*proxies(extra), *lifted))))
+
+
+# --- associative_scan ------------------------------------------------------------------------
+
+
+class AssociativeScanVariable(HopVariable):
+    _HOP_NAME = "hop.associative_scan"
+
+    def public_call(self, tx: Any, public: str, params: dict[str, VT]) -> VT:
+        combine_fn, xs, dim_vt = params["combine_fn"], params["xs"], params["dim"]
+        reverse_vt, mode_vt = params["reverse"], params["combine_mode"]
+        name = "associative_scan"
+        fn = callable_stand_in(tx, combine_fn)
+        lp.check_callable(name, "combine_fn", fn)
+        mode, reverse, dim = example(mode_vt), example(reverse_vt), example(dim_vt)
+        if mode not in associative_scan_module._MODES:
+            raise HopValueError(
+                format_message(name, f'combine_mode must be "pointwise" or "generic", got {mode!r}'),
+                op=name,
+                role="combine_mode",
+            )
+        if type(reverse) is not bool:
+            raise HopTypeError(
+                format_message(name, f"reverse must be a bool, got {type(reverse).__name__}"), op=name, role="reverse"
+            )
+        leaves, spec = flatten(tx, xs)
+        dims, _ = lp.check_xs(name, example_tree(tx, xs), [example(x) for x in leaves], dim)
+        moved = [method(tx, x, "movedim", d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
+        moved = [method(tx, x, "flip", 0) for x in moved] if reverse else moved
+        lhs, rhs = _slices(tx, moved), _slices(tx, moved)
+        body = speculate(tx, self.value, "combine_fn", combine_fn, [unflatten(tx, lhs, spec), unflatten(tx, rhs, spec)])
+        py_spec = spec.as_python_constant()
+        out_tree = pytree.tree_unflatten([example(o) for o in body.outputs], body.out_spec())
+        lhs_tree = pytree.tree_unflatten([example(x) for x in lhs], py_spec)
+        lp.check_like(name, "combine_fn", fn, lhs_tree, out_tree, "output", "xs and the output")
+        check_spec_order(name, [py_spec, body.out_spec()], "xs and combine_fn's output")
+        out = self.emit(tx, body, moved, [], mode)
+        out = [method(tx, o, "flip", 0) for o in out] if reverse else out
+        return unflatten(tx, [method(tx, o, "movedim", 0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
+
+    def raw_call(self, tx: Any, args: list[VT]) -> VT:
+        combine_fn, xs, additional, mode = args
+        xs_leaves, extra = items(tx, xs), items(tx, additional)
+        body = speculate(
+            tx, self.value, "combine_fn", combine_fn, [*_slices(tx, xs_leaves), *_slices(tx, xs_leaves), *extra]
+        )
+        return _pack(self.emit(tx, body, xs_leaves, extra, example(mode)))
+
+    def emit(self, tx: Any, body: Subgraph, xs: list[VT], extra: list[VT], mode: str) -> list[VT]:
+        lifted = share_lifted([body])
+        graph = install(tx, "hop_associative_scan_combine", body.graph)
+        return output_items(emit(tx, self.value, (graph, tuple(proxies(xs)), (*proxies(extra), *lifted), mode)))
+
+
+HANDLERS: dict[Any, type[HopVariable]] = {
+    scan_module.scan_op: ScanVariable,
+    map_module.map_op: MapVariable,
+    associative_scan_module.associative_scan_op: AssociativeScanVariable,
+}

@@ -1,0 +1,226 @@
+"""Dynamo's handler of ``hop.while_loop`` / ``hop.fori_loop`` and the raw while_loop (:mod:`hop.compile.dynamo`).
+
+One node ``while_loop(cond_graph, body_graph, carried, additional)``, ``carried``
+the carries' leaves (a Python int carry stays an int), ``additional`` followed by
+what the functions lift. fori_loop is the while_loop over ``(i, val)`` it is
+built on, with fori_loop's checks and messages.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._dynamo.variables import TupleVariable
+from torch._dynamo.variables.builder import SourcelessBuilder
+from torch._dynamo.variables.lists import BaseListVariable
+
+from hop import _subgraph
+from hop._unbacked import _changes, _generalize, _placeholder
+from hop.compile._dynamo_capture import (
+    VT,
+    HopVariable,
+    Subgraph,
+    bare_single_output,
+    callable_stand_in,
+    check_spec_order,
+    constant,
+    emit,
+    example,
+    example_tree,
+    flatten,
+    fresh,
+    fresh_input,
+    install,
+    items,
+    method,
+    output_items,
+    proxies,
+    share_lifted,
+    shown,
+    speculate,
+    unbound_dims,
+    unflatten,
+    unsupported,
+)
+from hop.errors import HopTypeError, format_message, type_name
+from hop.ops import _checkpoint
+from hop.ops import fori_loop as fori_module
+from hop.ops import while_loop as while_module
+
+__all__ = ["HANDLERS"]
+
+Check = Callable[[Any, Any], None]
+
+# Note [while_loop carries in Dynamo]
+# Dynamo bakes into a graph every Python value it computes from an example: an int
+# carry ``i`` traced as 0 makes ``i + 1`` the constant 1, a carry of static size 3
+# makes ``x.shape[0]`` the constant 3. The body and condition are therefore traced
+# on generalized carries: every int carry, and every tensor dimension the body
+# changes (found by tracing the body until no new dimension changes, as hop's fake
+# rule does), becomes an unbacked SymInt. hop's own rules later generalize the
+# traced graphs again, on the carries' real ranges.
+
+
+def _generic_carries(tx: Any, leaves: Sequence[Any], varying: list[set[int]]) -> list[VT]:
+    shape_env = tx.output.shape_env
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    with tx.fake_mode, shape_env.ignore_fresh_unbacked_symbols():
+        generic = [
+            _generalize(c, v, lambda c, d: _placeholder(shape_env, c, _constrain_range_for_size))
+            for c, v in zip(leaves, varying, strict=True)
+        ]
+    return fresh(tx, generic)
+
+
+class WhileLoopVariable(HopVariable):
+    _HOP_NAME = "hop.while_loop"
+
+    def public_call(self, tx: Any, public: str, params: dict[str, VT]) -> VT:
+        if public == "fori_loop":
+            return self.fori_loop(tx, params["lower"], params["upper"], params["body_fn"], params["init_val"])
+        cond_fn, body_fn, carried = params["cond_fn"], params["body_fn"], params["carried_inputs"]
+        checkpoint = params["checkpoint"]
+        fns = (callable_stand_in(tx, cond_fn), callable_stand_in(tx, body_fn))
+        listed = isinstance(carried, BaseListVariable)
+        while_module._check_arguments(*fns, example_tree(tx, carried) if listed else shown(carried))
+        _checkpoint.check_flag(example(checkpoint))
+        if example(checkpoint):
+            raise unsupported(
+                "while_loop",
+                "checkpoint=True (reverse mode with bounded memory)",
+                fix="Leave checkpoint out under torch.compile, or call this loop outside the compiled function.",
+            )
+
+        def check(carry: Any, out: Any) -> None:
+            out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            _subgraph.check_same_outputs(
+                "while_loop", ("carried_inputs", "body_fn"), (tuple(carry), out), root="carry", fns=(None, fns[1])
+            )
+
+        _, spec = flatten(tx, carried)
+        out = self.loop(tx, cond_fn, body_fn, items(tx, carried), [], fns, check)
+        return unflatten(tx, out, spec)
+
+    def raw_call(self, tx: Any, args: list[VT]) -> VT:
+        cond_fn, body_fn, carried, additional = args
+        fns = (callable_stand_in(tx, cond_fn), callable_stand_in(tx, body_fn))
+        out = self.loop(tx, cond_fn, body_fn, items(tx, carried), items(tx, additional), fns, _no_check)
+        return out[0] if len(out) == 1 else TupleVariable(out)
+
+    def fori_loop(self, tx: Any, lower: VT, upper: VT, body_fn: VT, init_val: VT) -> VT:
+        """``hop.fori_loop``: the while_loop over ``(i, val)`` it is built on."""
+        fn = callable_stand_in(tx, body_fn)
+        if not callable(fn):
+            raise HopTypeError(
+                format_message("fori_loop", f"body_fn must be callable, got {type_name(fn)}"),
+                op="fori_loop",
+                role="body_fn",
+            )
+        fori_module._check_bound("lower", example(lower))
+        fori_module._check_bound("upper", example(upper))
+        leaves, _ = flatten(tx, init_val)
+        fori_module._check_init_val(example_tree(tx, init_val), [example(leaf) for leaf in leaves])
+        if upper.is_tensor() and not lower.is_tensor():  # the counter is a tensor when a bound is
+            lower = method(tx, method(tx, upper, "new_zeros", ()), "__add__", lower)
+
+        def check(carry: Any, out: Any) -> None:
+            _subgraph.check_same_outputs(
+                "fori_loop", ("init_val", "body_fn"), (carry[1], out[1]), root="val", fns=(None, fn)
+            )
+
+        build = SourcelessBuilder.create(tx, functools.partial)
+        cond_fn = build.call_function(tx, [SourcelessBuilder.create(tx, _fori_cond), upper], {})
+        counted = build.call_function(tx, [SourcelessBuilder.create(tx, _fori_body), body_fn], {})
+        out = self.loop(tx, cond_fn, counted, [lower, init_val], [], (None, fn), check)
+        carry_tree = SourcelessBuilder.create(tx, (lower, init_val))
+        return items(tx, unflatten(tx, out, flatten(tx, carry_tree)[1]))[1]
+
+    def loop(
+        self,
+        tx: Any,
+        cond_fn: VT,
+        body_fn: VT,
+        carried: list[VT],
+        additional: list[VT],
+        fns: tuple[Any, Any],
+        check: Check,
+    ) -> list[VT]:
+        """One while_loop node; its final carry's leaves."""
+        leaves, spec = flatten(tx, TupleVariable(list(carried)))
+        values = [example(leaf) for leaf in leaves]
+        py_spec = spec.as_python_constant()
+        varying = [set() if isinstance(v, torch.Tensor) else {0} for v in values]
+        for _ in range(8):  # Note [while_loop carries in Dynamo]
+            generic = _generic_carries(tx, values, varying)
+            body = self.trace(tx, "body_fn", body_fn, generic, spec, additional)
+            outs = [example(o) for o in body.outputs]
+            check(pytree.tree_unflatten(values, py_spec), pytree.tree_unflatten(outs, body.out_spec()))
+            grew = [_changes(example(g), o) - v for g, o, v in zip(generic, outs, varying, strict=True)]
+            if not any(grew):
+                break
+            varying = [v | g for v, g in zip(varying, grew, strict=True)]
+        check_spec_order("while_loop", [py_spec, body.out_spec()], "carried_inputs and body_fn's output")
+        generic = _generic_carries(tx, values, varying)  # fresh values: no fake-tensor memo shared with body_fn
+        cond = self.trace(tx, "cond_fn", cond_fn, generic, spec, additional)
+        while_module._truth(pytree.tree_unflatten([example(o) for o in cond.outputs], cond.out_spec()), fns[0])
+        bare_single_output(cond.graph, tensors_only=False)
+        lifted = share_lifted([cond, body])
+        graphs = (install(tx, "hop_while_loop_cond", cond.graph), install(tx, "hop_while_loop_body", body.graph))
+        inits = tuple(leaf.as_proxy() for leaf in leaves)
+        out = emit(tx, self.value, (*graphs, inits, (*proxies(additional), *lifted)))
+        return output_items(out)
+
+    def trace(self, tx: Any, role: str, fn: VT, generic: list[VT], spec: VT, additional: list[VT]) -> Subgraph:
+        """``fn`` traced on generalized carries: their unbacked sizes are read from the
+        carries inside the subgraph (Note [while_loop carries in Dynamo])."""
+        reads = [(k, d) for k, g in enumerate(generic) for d in unbound_dims(example(g))]
+        sizes = [fresh_input(tx, example(generic[k]).shape[d]) for k, d in reads]
+        traced = _with_leading_sizes(tx, fn, len(sizes)) if sizes else fn
+        sub = speculate(tx, self.value, role, traced, [*sizes, *items(tx, unflatten(tx, generic, spec)), *additional])
+        if reads:
+            _bind_sizes(sub.graph, reads)
+        return sub
+
+
+def _no_check(carry: Any, out: Any) -> None:
+    pass
+
+
+def _fori_cond(upper: Any, i: Any, val: Any) -> Any:
+    return i < upper
+
+
+def _fori_body(body_fn: Callable[..., Any], i: Any, val: Any) -> Any:
+    return i + 1, body_fn(i, val)
+
+
+def _with_leading_sizes(tx: Any, fn: VT, n: int) -> VT:
+    """``fn`` preceded by ``n`` ignored arguments: the sizes a subgraph binds first
+    (:func:`hop.compile._dynamo_capture.unbound_dims`), turned into ``sym_size`` reads by :func:`_bind_sizes`."""
+    partial = SourcelessBuilder.create(tx, functools.partial)
+    return partial.call_function(tx, [SourcelessBuilder.create(tx, _drop_leading), constant(n), fn], {})
+
+
+def _drop_leading(n: int, fn: Any, *args: Any) -> Any:
+    return fn(*args[n:])
+
+
+def _bind_sizes(graph: torch.fx.Graph, reads: Sequence[tuple[int, int]]) -> None:
+    """Replace the first ``len(reads)`` placeholders (sizes) by ``sym_size(input, dim)``
+    reads of the inputs that follow them, so the subgraph takes only those inputs."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    sizes, inputs = placeholders[: len(reads)], placeholders[len(reads) :]
+    with graph.inserting_after(placeholders[-1]):
+        for size, (k, d) in zip(sizes, reads, strict=True):
+            read = graph.call_function(torch.ops.aten.sym_size.int, (inputs[k], d))
+            read.meta["example_value"] = size.meta["example_value"]
+            size.replace_all_uses_with(read)
+            graph.erase_node(size)
+
+
+HANDLERS: dict[Any, type[HopVariable]] = {while_module.while_loop_op: WhileLoopVariable}

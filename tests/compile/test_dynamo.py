@@ -1,0 +1,354 @@
+"""hop under Dynamo: torch.compile(fullgraph=True) and torch.export(strict=True) (hop.compile.dynamo).
+
+A recording backend keeps the graphs Dynamo hands to the compiler: they must hold
+hop's ``torch.ops.hop.*`` nodes, never torch's ``torch.ops.higher_order.*`` of the
+same name, and give eager's results (and, through aot_eager, eager's gradients).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch._dynamo.utils import counters
+from torch.export import Dim
+
+import hop
+from hop.errors import CompileUnsupported, HopError, OutputMismatchError
+
+Fn = Callable[..., Any]
+
+
+class Recorder:
+    """A backend that keeps each graph Dynamo compiles and runs it as is."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Fn:
+        self.graphs.append(gm)
+        return gm.forward  # type: ignore[no-any-return]
+
+    def ops(self) -> list[str]:
+        return hop_ops(self.graphs)
+
+
+def hop_ops(graphs: list[torch.fx.GraphModule]) -> list[str]:
+    """The higher-order operators called in ``graphs`` and their subgraphs, by qualified name."""
+    found = []
+    for root in graphs:
+        for gm in root.modules():
+            if isinstance(gm, torch.fx.GraphModule):
+                found += [
+                    f"{n.target.__module__}.{n.target.__name__}"
+                    for n in gm.graph.nodes
+                    if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+                ]
+    return sorted(found)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(fn: Fn, backend: Any, **options: Any) -> Fn:
+    return torch.compile(fn, backend=backend, fullgraph=True, **options)  # type: ignore[no-any-return]
+
+
+def assert_close(actual: Any, expected: Any) -> None:
+    a, a_spec = pytree.tree_flatten(actual)
+    e, e_spec = pytree.tree_flatten(expected)
+    assert a_spec == e_spec
+    for x, y in zip(a, e, strict=True):
+        torch.testing.assert_close(x, y)
+
+
+# --- one program per operator, closing over a parameter and a buffer ---------------------------------------
+
+
+class Programs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+        self.register_buffer("b", torch.tensor([1.0, 0.25, -0.5]))
+
+    def cond(self, x: torch.Tensor) -> Any:
+        return hop.cond(
+            x.sum() > 0, lambda a: {"y": a.sin() * self.w}, lambda a: {"y": a.cos() * self.w + self.b}, (x,)
+        )
+
+    def switch(self, x: torch.Tensor) -> Any:
+        index = (x.sum() > 0).long() + 1
+        return hop.switch(index, [lambda a: a, lambda a: a * self.w, lambda a: a.sin() * self.w + self.b], [x])
+
+    def while_loop(self, x: torch.Tensor) -> Any:
+        return hop.while_loop(lambda i, c: i < 3, lambda i, c: (i + 1, c * self.w + self.b), (0, x))
+
+    def fori_loop(self, x: torch.Tensor) -> Any:
+        return hop.fori_loop(0, 3, lambda i, c: c * self.w + i, x)
+
+    def map(self, x: torch.Tensor) -> Any:
+        return hop.map(lambda r, s: r * self.w + s, x, self.b)
+
+    def scan(self, x: torch.Tensor) -> Any:
+        return hop.scan(lambda c, r: (c * self.w + r, {"s": (c * self.b).sum()}), torch.zeros(3), x)
+
+    def associative_scan(self, x: torch.Tensor) -> Any:
+        return hop.associative_scan(lambda p, q: p * q, x * self.w, 0)
+
+
+OPS = ["cond", "switch", "while_loop", "fori_loop", "map", "scan", "associative_scan"]
+RAW = {"fori_loop": "while_loop"}  # fori_loop is a while_loop
+
+
+class One(torch.nn.Module):
+    """``Programs().<op>`` as a module's forward (for torch.export)."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.programs = Programs()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return getattr(self.programs, self.op)(x)
+
+
+def op_name(op: str) -> str:
+    return f"torch.ops.hop.{RAW.get(op, op)}"
+
+
+X = torch.tensor([[0.5, -0.25, 1.0], [0.75, 0.5, -1.0], [0.25, 0.125, 0.5], [-0.5, 1.5, 0.25]])
+
+
+# --- torch.compile(fullgraph=True) ------------------------------------------------------------------------
+
+
+def outputs_and_gradients(model: Programs, fn: Fn, x: torch.Tensor) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """``fn(x)``, and the gradients of its weighted output leaves for the parameter and ``x``."""
+    x = x.clone().requires_grad_()
+    out = fn(x)
+    leaves = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+    loss = sum((leaf * (k + 1)).sum() for k, leaf in enumerate(leaves))
+    return out, torch.autograd.grad(loss, [model.w, x])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_public_functions_are_captured_as_hop_nodes(op: str) -> None:
+    model = Programs()
+    rec = Recorder()
+    fn = compiled(getattr(model, op), rec, dynamic=True)
+    for x in (X, -X[:3]):  # two sizes, one compile: the graph is dynamic
+        assert_close(outputs_and_gradients(model, fn, x), outputs_and_gradients(model, getattr(model, op), x))
+    assert len(rec.graphs) == 1
+    assert rec.ops() == [op_name(op)]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_training_through_aot_eager_gives_eager_gradients(op: str) -> None:
+    model = Programs()
+    fn = compiled(getattr(model, op), "aot_eager")
+    assert_close(outputs_and_gradients(model, fn, X), outputs_and_gradients(model, getattr(model, op), X))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_raw_ops_of_an_exported_program_are_captured(op: str) -> None:
+    module = One(op)
+    ep = torch.export.export(module, (X,))
+    rec = Recorder()
+    assert_close(compiled(ep.module(), rec)(X), module(X))
+    assert rec.ops() == [op_name(op)]
+
+
+def test_raw_ops_called_in_user_code() -> None:
+    def f(x: torch.Tensor) -> Any:
+        picked = torch.ops.hop.switch((x.sum() > 0).long(), (x,), lambda a: a.cos(), lambda a: a.sin())
+        return torch.ops.hop.cond(x.sum() > 0, lambda a: a + 1, lambda a: a - 1, (picked,))
+
+    rec = Recorder()
+    assert_close(compiled(f, rec)(X), f(X))
+    assert rec.ops() == ["torch.ops.hop.cond", "torch.ops.hop.switch"]
+
+
+def test_torch_cond_keeps_torchs_handler() -> None:
+    rec = Recorder()
+    f = compiled(lambda x: torch.cond(x.sum() > 0, lambda a: a.sin(), lambda a: a.cos(), (x,)), rec)
+    torch.testing.assert_close(f(X), X.sin())
+    assert rec.ops() == ["torch.ops.higher_order.cond"]
+
+
+# --- what eager supports works compiled -------------------------------------------------------------------
+
+
+def check(fn: Fn, *args: Any, ops: list[str]) -> None:
+    rec = Recorder()
+    assert_close(compiled(fn, rec, dynamic=True)(*args), fn(*args))
+    assert rec.ops() == ops
+
+
+def test_int_and_symint_outputs() -> None:
+    def f(x: torch.Tensor) -> Any:
+        n = hop.cond(x.sum() > 0, lambda a: a.shape[0] + 1, lambda a: 2 * a.shape[0], (x,))
+        return n, hop.switch((x.sum() > 0).long(), [lambda a: (a.cos(), 3), lambda a: (a.sin(), 3)], (x,))
+
+    check(f, X, ops=["torch.ops.hop.cond", "torch.ops.hop.switch"])
+
+
+def test_branches_returning_an_operand_or_a_view_of_one() -> None:
+    def f(x: torch.Tensor) -> Any:
+        out = hop.cond(x.sum() > 0, lambda a: a, lambda a: a[1:], (x,))
+        out.add_(1)  # a copy: the operand is untouched, as in eager
+        return out, x
+
+    check(f, X, ops=["torch.ops.hop.cond"])
+
+
+def test_data_dependent_sizes_unify_across_branches() -> None:
+    def f(x: torch.Tensor) -> Any:
+        return hop.cond(x.sum() > 0, lambda a: a.nonzero(), lambda a: (a > 0.3).nonzero(), (x,))
+
+    check(f, X, ops=["torch.ops.hop.cond"])
+
+
+def test_growing_carries_and_int_carries() -> None:
+    def f(x: torch.Tensor) -> Any:
+        return hop.while_loop(lambda c, n: c.shape[0] < 8, lambda c, n: (torch.cat([c, c[-1:] * 2]), n + 1), (x, 0))
+
+    check(f, X[0], ops=["torch.ops.hop.while_loop"])
+
+
+def test_symbolic_predicate_and_tensor_bounds() -> None:
+    def f(x: torch.Tensor, n: torch.Tensor) -> Any:
+        y = hop.cond(x.shape[0] > 2, lambda a: a + 1, lambda a: a - 1, (x,))
+        return hop.fori_loop(0, n, lambda i, v: v + i, y)
+
+    check(f, X, torch.tensor(3), ops=["torch.ops.hop.cond", "torch.ops.hop.while_loop"])
+
+
+def test_batched_predicate_under_vmap() -> None:
+    def f(x: torch.Tensor) -> Any:
+        return torch.vmap(lambda r: hop.cond(r.sum() > 0, lambda a: a.sin(), lambda a: a.cos(), (r,)))(x)
+
+    check(f, X, ops=["torch.ops.hop.cond"])
+
+
+def test_nested_operators_and_scan_options() -> None:
+    def f(x: torch.Tensor) -> Any:
+        def step(c: torch.Tensor, r: torch.Tensor) -> Any:
+            return hop.cond(r.sum() > 0, lambda p, q: p + q, lambda p, q: p - q, (c, r)), c * 2
+
+        return hop.scan(step, torch.zeros(4), x, dim=1, reverse=True)
+
+    check(f, X, ops=["torch.ops.hop.cond", "torch.ops.hop.scan"])
+
+
+def test_map_over_an_empty_dimension() -> None:
+    check(lambda x: hop.map(lambda r: r * 2, x[:0]), X, ops=["torch.ops.hop.map"])
+
+
+# --- what the compiled path cannot capture: CompileUnsupported, or a graph break --------------------------
+
+
+def checkpointed(x: torch.Tensor) -> Any:
+    return hop.while_loop(lambda c: c.sum() < 10, lambda c: (c + 1,), (x,), checkpoint=True)[0] * 2
+
+
+def writes_its_operand(x: torch.Tensor) -> Any:
+    return hop.cond(x.sum() > 0, lambda a: a.add_(1), lambda a: a - 1, (x,)) * 2
+
+
+def branches_on_data(x: torch.Tensor) -> Any:
+    return hop.cond(x.sum() > 0, lambda a: a + 1 if a.max() > 0.5 else a - 1, lambda a: a, (x,)) * 2
+
+
+UNSUPPORTED = [
+    (
+        checkpointed,
+        "hop.while_loop: checkpoint=True (reverse mode with bounded memory) runs in eager but torch.compile "
+        "cannot capture it. Leave checkpoint out under torch.compile, or call this loop outside the compiled function.",
+    ),
+    (
+        writes_its_operand,
+        "hop.cond: true_fn writing one of its inputs in place runs in eager but torch.compile cannot capture it. "
+        "Return the new value from true_fn instead of writing the input.",
+    ),
+    (branches_on_data, "hop.cond: true_fn, which Dynamo cannot trace into one graph ("),
+]
+
+
+@pytest.mark.parametrize(("fn", "message"), UNSUPPORTED)
+def test_unsupported_raises_with_fullgraph_and_breaks_the_graph_without(fn: Fn, message: str) -> None:
+    with pytest.raises(CompileUnsupported) as info:
+        compiled(fn, "eager")(torch.ones(3))
+    assert str(info.value).startswith(message)
+    torch._dynamo.reset()
+    x, y = torch.ones(3), torch.ones(3)
+    assert_close(torch.compile(fn, backend="eager")(x), fn(y))
+    assert_close(x, y)  # the in-place write happened once, as in eager
+    assert any(reason.startswith(message) for reason in counters["graph_break"])
+
+
+def test_user_mistakes_raise_eagers_error() -> None:
+    def f(x: torch.Tensor) -> Any:
+        return hop.cond(x.sum() > 0, lambda a: a, lambda a: a.double(), (x,))
+
+    with pytest.raises(OutputMismatchError) as eager:
+        f(X)
+    with pytest.raises(OutputMismatchError) as full:
+        compiled(f, "eager")(X)
+    assert str(full.value).startswith(str(eager.value))
+    torch._dynamo.reset()
+    with pytest.raises(OutputMismatchError) as broken:
+        torch.compile(f, backend="eager")(X)
+    assert str(broken.value) == str(eager.value)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: hop.cond(x.sum() > 0, 3, lambda a: a, (x,)),
+        lambda x: hop.cond(x.sum() > 0, lambda a: a, lambda a: a, x),
+        lambda x: hop.cond(x, lambda a: a, lambda a: a, (x,)),
+        lambda x: hop.while_loop(lambda c: c.sum() < 1, lambda c: (c + 1,), x),
+        lambda x: hop.while_loop(lambda c: c < 1, lambda c: (c + 1,), (x,)),
+        lambda x: hop.switch(x.sum().long(), [], (x,)),
+        lambda x: hop.scan(lambda c, r: c, torch.zeros(3), x),
+        lambda x: hop.map(lambda r: r, (x, x[:2])),
+        lambda x: hop.associative_scan(lambda p, q: p + q, x, 2),
+        lambda x: hop.fori_loop(0, 2.5, lambda i, v: v, x),
+    ],
+)
+def test_argument_checks_give_eagers_message(call: Fn) -> None:
+    with pytest.raises((HopError, TypeError)) as eager:
+        call(X)
+    with pytest.raises(type(eager.value)) as full:
+        compiled(call, "eager")(X)
+    assert str(full.value).startswith(str(eager.value))
+
+
+# --- torch.export(strict=True) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_strict_export_gives_non_strict_exports_program(op: str) -> None:
+    module = One(op)
+    dims = {"x": {0: Dim("n", min=2)}}
+    strict = torch.export.export(module, (X,), dynamic_shapes=dims, strict=True)
+    non_strict = torch.export.export(module, (X,), dynamic_shapes=dims, strict=False)
+    assert hop_ops([strict.graph_module]) == hop_ops([non_strict.graph_module]) == [op_name(op)]
+    buffer = io.BytesIO()
+    torch.export.save(strict, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer)
+    decomposed = strict.run_decompositions()
+    assert hop_ops([decomposed.graph_module]) == [op_name(op)]
+    other = -X[:3]  # another size
+    for ep in (strict, loaded, decomposed):
+        assert_close(ep.module()(other), module(other))
