@@ -18,7 +18,9 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
-__all__ = ["DispatchRecord", "trace"]
+from hop._draw import draw
+
+__all__ = ["DispatchRecord", "draw", "trace"]
 
 _logger = logging.getLogger("hop.dispatch")
 

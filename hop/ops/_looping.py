@@ -271,13 +271,13 @@ def stack_ys(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> Any:
         raise ys_error(L, fn, ys, dim, root) or e from None
 
 
-def _same_dtype(col: Sequence[Any]) -> Sequence[Any]:
+def _same_dtype(col: Sequence[Any]) -> list[Any]:
     """``col``, whose tensors share one dtype: torch.stack would promote silently."""
     dtype = getattr(col[0], "dtype", None)
     for y in col:
         if getattr(y, "dtype", None) is not dtype:
             raise TypeError("iterations return different dtypes")
-    return col
+    return list(col)
 
 
 def ys_error(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopValueError | None:
