@@ -1,0 +1,174 @@
+"""hop's operators compiled by Inductor and AOTInductor, against torch's twins, in one run.
+
+Per operator, the hop program and its torch twin (``torch.cond``; nested ``torch.cond``
+for switch; ``torch._higher_order_ops`` ``while_loop``, ``map``, ``scan``,
+``associative_scan``; torch's while_loop for fori_loop) are measured for:
+
+- compile: the first call of ``torch.compile(fn, backend="inductor")`` (after
+  ``torch._dynamo.reset()``, Inductor's caches off), in s;
+- inductor: the steady-state time per call of that compiled function, in us;
+- aoti build: ``torch.export.export`` + ``aoti_compile_and_package``, in s;
+- aoti run: the time per call of the loaded package, in us;
+- eager: the time per call of the uncompiled function, in us.
+
+A row that fails prints ``n/a (reason)``. Run:
+``python benchmarks/bench_compile.py [--quick] [--ops cond,scan]``
+(``--quick`` skips AOTInductor, the slowest part: a build per program).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # every first call compiles
+
+import argparse
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._higher_order_ops import associative_scan as torch_associative_scan
+from torch._higher_order_ops import map as torch_map
+from torch._higher_order_ops import scan as torch_scan
+from torch._higher_order_ops import while_loop as torch_while_loop
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import per_call_us
+
+import hop
+
+Fn = Callable[..., Any]
+STEPS = 50  # loop trip count and scanned length
+
+
+def _counter() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+def branches() -> list[Fn]:
+    return [lambda x: x.sin() + 1, lambda x: x.cos() * 2, lambda x: x.tanh() - 3]
+
+
+def step(c: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c = c * 0.5 + x
+    return c, c.cos()
+
+
+# (name, hop program, torch twin, inputs): programs take tensors only.
+def programs() -> list[tuple[str, Fn, Fn, tuple[torch.Tensor, ...]]]:
+    x, xs, k, n = torch.randn(16, 16), torch.randn(STEPS, 16), torch.tensor(1), torch.tensor(STEPS)
+    b = branches()
+
+    def hop_switch(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return hop.switch(k, b, (x,))
+
+    def torch_switch(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        inner = lambda y: torch.cond(k == 1, b[1], b[2], (y,))  # noqa: E731
+        return torch.cond(k == 0, b[0], inner, (x,))
+
+    def while_body(i: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return i + 1, y * 0.9 + 0.1
+
+    return [
+        (
+            "cond",
+            lambda x: hop.cond(x.sum() > 0, b[0], b[1], (x,)),
+            lambda x: torch.cond(x.sum() > 0, b[0], b[1], (x,)),
+            (x,),
+        ),
+        ("switch", hop_switch, torch_switch, (x, k)),
+        (
+            "while_loop",
+            lambda x, n: hop.while_loop(lambda i, y: i < n, while_body, (_counter(), x))[1],
+            lambda x, n: torch_while_loop(lambda i, y: i < n, while_body, (_counter(), x))[1],
+            (x, n),
+        ),
+        (
+            "fori_loop",
+            lambda x, n: hop.fori_loop(0, n, lambda i, y: y * 0.9 + 0.1, x),
+            lambda x, n: torch_while_loop(lambda i, y: i < n, while_body, (_counter(), x))[1],
+            (x, n),
+        ),
+        ("map", lambda xs: hop.map(lambda r: r.sin() * 2, xs), lambda xs: torch_map(lambda r: r.sin() * 2, xs), (xs,)),
+        ("scan", lambda xs: hop.scan(step, xs[0], xs), lambda xs: torch_scan(step, xs[0], xs), (xs,)),
+        (
+            "associative_scan",
+            lambda xs: hop.associative_scan(lambda a, c: a * c, xs, 0),
+            lambda xs: torch_associative_scan(lambda a, c: a * c, xs, 0, combine_mode="generic"),
+            (xs,),
+        ),
+    ]
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, fn: Fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self.fn(*args)
+
+
+def _na(e: Exception) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"n/a ({type(e).__name__}: {first[:70]})"
+
+
+def _timed(what: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = what()
+    return time.perf_counter() - start, out
+
+
+def measure(fn: Fn, args: tuple[torch.Tensor, ...], aoti: bool) -> list[str]:
+    """The cells of one row: compile s, inductor us, aoti build s, aoti run us, eager us."""
+    cells = []
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="inductor")
+        seconds, _ = _timed(lambda: compiled(*args))
+        cells += [f"{seconds:.1f}", f"{per_call_us(lambda: compiled(*args), number=50, repeat=5):.1f}"]
+    except Exception as e:
+        cells += [_na(e), "n/a"]
+    if aoti:
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                build = lambda: torch._inductor.aoti_compile_and_package(  # noqa: E731
+                    torch.export.export(_Module(fn), args), package_path=f"{tmp}/p.pt2"
+                )
+                seconds, path = _timed(build)
+                loaded = torch._inductor.aoti_load_package(path)
+                cells += [f"{seconds:.1f}", f"{per_call_us(lambda: loaded(*args), number=50, repeat=5):.1f}"]
+        except Exception as e:
+            cells += [_na(e), "n/a"]
+    else:
+        cells += ["-", "-"]
+    cells.append(f"{per_call_us(lambda: fn(*args), number=20, repeat=5):.1f}")
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip AOTInductor")
+    parser.add_argument("--ops", default="", help="comma-separated operators (default: all)")
+    opts = parser.parse_args()
+    wanted = set(filter(None, opts.ops.split(",")))
+    warnings.filterwarnings("ignore")
+    torch.compile(lambda t: t + 1, backend="inductor")(torch.ones(2))  # Inductor's one-time start-up
+    header = ["op", "impl", "compile s", "inductor us", "aoti build s", "aoti run us", "eager us"]
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for name, hop_fn, torch_fn, args in programs():
+        if wanted and name not in wanted:
+            continue
+        for impl, fn in (("hop", hop_fn), ("torch", torch_fn)):
+            print(" | ".join([name, impl, *measure(fn, args, not opts.quick)]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

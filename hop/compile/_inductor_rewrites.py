@@ -1,0 +1,282 @@
+"""The rewrites of hop's post-grad pass (:mod:`hop.compile.inductor`).
+
+Each ``rewrite(node, inputs, *args)`` is traced by Inductor's pattern matcher
+(``Match.replace_by_example``) in place of one ``torch.ops.hop`` node: ``args``
+are the node's arguments with subgraphs as GraphModules and tensors as fake
+values, ``inputs`` every traced value (including the nodes that define the
+symbols of their sizes). The result uses torch's ``cond`` and ``while_loop``
+(whose loop bodies may write their carries in place, which hop's ops refuse when
+tracing) and plain aten ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from hop.errors import HopValueError, format_message
+from hop.ops.associative_scan import associative_scan_dense, associative_scan_op
+from hop.ops.map import map_op
+from hop.ops.scan import scan_op
+from hop.ops.switch import switch_op
+
+__all__ = ["REWRITES", "free_symbols", "plain_symbols"]
+
+Fn = Callable[..., Any]
+_check: Callable[..., None] = torch._check  # untyped in torch
+
+
+def free_symbols(values: Sequence[Any]) -> set[Any]:
+    from torch.fx.experimental import symbolic_shapes
+
+    return set().union(
+        *(symbolic_shapes.free_symbols(v) for v in values if isinstance(v, (torch.Tensor, torch.SymInt)))
+    )
+
+
+def plain_symbols(values: Sequence[Any]) -> dict[Any, Any]:
+    """symbol -> SymInt, for each value that is a single-symbol SymInt or has such a size."""
+    out: dict[Any, Any] = {}
+    for v in values:
+        for s in v.shape if isinstance(v, torch.Tensor) else (v,):
+            if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
+                out.setdefault(s.node.expr, s)
+    return out
+
+
+def _outputs(node: torch.fx.Node) -> list[Any]:
+    val = node.meta["val"]
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
+def _like_node(node: torch.fx.Node, flat: Sequence[Any]) -> Any:
+    """``flat`` in the node's output convention: a bare value for one output."""
+    return tuple(flat) if isinstance(node.meta["val"], (tuple, list)) else flat[0]
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def rewrite_switch(
+    node: torch.fx.Node, inputs: Sequence[Any], index: Any, operands: Sequence[Any], *branches: Fn
+) -> Any:
+    """``branches[index](*operands)`` as nested conds; an index out of range fails an assert."""
+    n = len(branches)
+    if isinstance(index, torch.Tensor):
+        torch._assert_async((index >= 0) & (index < n), f"hop.switch: index out of range for {n} branches")
+    else:
+        _check(index >= 0)
+        _check(index < n)
+    flat = [lambda i, *ops, b=b: _as_tuple(b(*ops)) for b in branches]
+
+    def pick(k: int, i: Any, *ops: Any) -> Any:
+        if k == n - 1:
+            return flat[k](i, *ops)
+        return torch.ops.higher_order.cond(i == k, flat[k], lambda *a: pick(k + 1, *a), (i, *ops))
+
+    return _like_node(node, list(pick(0, index, *operands)))
+
+
+def rewrite_map(
+    node: torch.fx.Node, inputs: Sequence[Any], body: Fn, xs: Sequence[Any], additional: Sequence[Any]
+) -> Any:
+    _, ys = _scan_loop("map", body, (), xs, additional, False, _outputs(node), inputs)
+    return _like_node(node, ys)
+
+
+def rewrite_scan(
+    node: torch.fx.Node,
+    inputs: Sequence[Any],
+    body: Fn,
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    additional: Sequence[Any],
+    reverse: bool,
+) -> Any:
+    carry, ys = _scan_loop("scan", body, init, xs, additional, reverse, _outputs(node)[len(init) :], inputs)
+    return _like_node(node, [*carry, *ys])
+
+
+def rewrite_associative_scan(
+    node: torch.fx.Node, inputs: Sequence[Any], combine: Fn, xs: Sequence[Any], additional: Sequence[Any], mode: str
+) -> Any:
+    """Static length: hop's parallel prefix, unrolled; symbolic: the sequential scan."""
+    n = xs[0].shape[0]
+    if isinstance(n, int):
+        return _like_node(node, _as_tuple(associative_scan_dense(combine, xs, additional, mode)))
+    # ys[0] = xs[0] by a loop of at most one step (a slice [:1] would need n >= 1),
+    # then ys[k] = combine(ys[k - 1], xs[k]).
+    nx = len(xs)
+    ys = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+
+    def first(k: Any, *state: Any) -> tuple[Any, ...]:
+        for y, x in zip(state[:nx], state[nx:], strict=True):
+            y.select(0, k).copy_(x.select(0, k))
+        return state[:nx]
+
+    def step(k: Any, *state: Any) -> tuple[Any, ...]:
+        ys_, xs_, add = state[:nx], state[nx : 2 * nx], state[2 * nx :]
+        out = _as_tuple(combine(*(y.select(0, k - 1) for y in ys_), *(x.select(0, k) for x in xs_), *add))
+        for y, o in zip(ys_, out, strict=True):
+            y.select(0, k).copy_(o)
+        return ys_
+
+    ys = _counted_loop(0, n, first, ys, xs, inputs, last=0)
+    return _like_node(node, _counted_loop(1, n, step, ys, (*xs, *additional), inputs))
+
+
+# Note [scans as while loops]
+# scan(body, init, xs, additional, reverse) becomes
+#
+#     ys = [empty(n, *y.shape) for each y]             sizes from the node's meta["val"]
+#     k, ys, carry = while_loop(k < n, body', (0, ys, init), (xs, additional))
+#     body'(k, ys, carry, xs, additional):
+#         t = n - 1 - k if reverse else k
+#         carry, y = body(carry, xs[t], additional);  ys[t].copy_(y)
+#         return k + 1, ys, carry
+#
+# The counter is a 0-dim int64 CPU tensor read with .item() (an unbacked int
+# the body checks to lie in [0, n)), as torch's own scan lowering does, so a
+# CUDA loop does not synchronize on its condition. Writing into ys in place
+# keeps one buffer per output instead of a copy per step.
+
+
+def _scan_loop(
+    name: str,
+    body: Fn,
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    additional: Sequence[Any],
+    reverse: bool,
+    ys_meta: Sequence[Any],
+    inputs: Sequence[Any],
+) -> tuple[list[Any], list[Any]]:
+    """Note [scans as while loops]: the final carry and the stacked outputs."""
+    nc, ny, nx = len(init), len(ys_meta), len(xs)
+    ys = [
+        torch.empty_strided(
+            _sizes(name, y.shape, inputs), _sizes(name, y.stride(), inputs), dtype=y.dtype, device=y.device
+        )
+        for y in ys_meta
+    ]
+
+    def step(k: Any, *state: Any) -> tuple[Any, ...]:
+        ys_, carry, rest = state[:ny], state[ny : ny + nc], state[ny + nc :]
+        n = rest[0].shape[0]  # from the loop's own input: the tracer of this function knows it
+        t = n - 1 - k if reverse else k
+        _check(t >= 0)
+        _check(t < n)
+        out = _as_tuple(body(*carry, *(x.select(0, t) for x in rest[:nx]), *rest[nx:]))
+        for y, o in zip(ys_, out[nc:], strict=True):
+            y.select(0, t).copy_(o)
+        return (*ys_, *map(_dense, out[:nc]))
+
+    out = _counted_loop(0, xs[0].shape[0], step, (*ys, *map(_dense, init)), (*xs, *additional), inputs)
+    return list(out[ny:]), list(out[:ny])
+
+
+def _buffer(name: str, like: torch.Tensor, inputs: Sequence[Any]) -> torch.Tensor:
+    """An empty tensor with the (maybe symbolic) sizes and strides of ``like``."""
+    sizes, strides = _sizes(name, like.shape, inputs), _sizes(name, like.stride(), inputs)
+    return torch.empty_strided(sizes, strides, dtype=like.dtype, device=like.device)
+
+
+def _dense(t: Any) -> Any:
+    """``t``, or a contiguous copy if its strides may differ from contiguous ones.
+
+    A loop carry keeps its strides across iterations (torch's while_loop checks
+    it), and a gradient carry is often an expanded (stride-0) tensor.
+    """
+    from torch._prims_common import make_contiguous_strides_for
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    if not isinstance(t, torch.Tensor):
+        return t
+    if statically_known_true(sym_eq(t.stride(), make_contiguous_strides_for(t.shape))):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _counted_loop(
+    start: int,
+    stop: Any,
+    step: Fn,
+    carried: Sequence[Any],
+    additional: Sequence[Any],
+    inputs: Sequence[Any],
+    last: int | None = None,
+) -> list[Any]:
+    """``for k in range(start, min(stop, last + 1)): carried = step(k, *carried, *additional)``
+    as torch's while_loop.
+
+    A symbolic ``stop`` travels as an input of the loop (a size closed over would not
+    be known to the tracers of the loop's functions), and so does each symbol of the
+    loop's sizes that no tensor of the loop holds as a size (Inductor binds a
+    subgraph's symbols from its inputs). ``last`` caps the counter in the condition
+    (a ``sym_min`` in ``stop`` would be resolved at trace time).
+    """
+    symbolic = isinstance(stop, torch.SymInt)
+    values = [*carried, *additional, *([stop] if symbolic else [])]
+    known = plain_symbols(inputs)
+    lifted = [known[s] for s in sorted(free_symbols(values) - plain_symbols(values).keys(), key=str) if s in known]
+    extra = (*additional, *lifted, *([stop] if symbolic else []))
+    own = len(additional) + len(carried)
+    counter = torch.full((), start, dtype=torch.int64, device="cpu")
+
+    def bound(rest: tuple[Any, ...]) -> Any:
+        return rest[-1] if symbolic else stop
+
+    def cond_fn(i: Any, *rest: Any) -> Any:
+        n = bound(rest)
+        return (i < n) if last is None else (i < n) & (i <= last)
+
+    def body_fn(i: Any, *rest: Any) -> tuple[Any, ...]:
+        n = bound(rest)
+        k = i.item()
+        _check(k >= start)
+        _check(k < n)
+        return (i + 1, *step(k, *rest[:own]))
+
+    out = torch.ops.higher_order.while_loop(cond_fn, body_fn, (counter, *carried), extra)
+    return list(out[1:])
+
+
+def _sizes(name: str, sizes: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """Symbolic sizes (of a meta value) as expressions of the traced inputs' sizes:
+    an input's size that is the same expression, else one built from input sizes
+    that are single symbols."""
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    same: dict[Any, Any] = {}
+    for x in inputs:
+        for s in x.shape if isinstance(x, torch.Tensor) else (x,):
+            if isinstance(s, torch.SymInt):
+                same.setdefault(s.node.expr, s)
+    symbols = plain_symbols(inputs)
+    out = []
+    for s in sizes:
+        if not isinstance(s, torch.SymInt):
+            out.append(s)
+        elif s.node.expr in same:
+            out.append(same[s.node.expr])
+        elif s.node.expr.free_symbols <= symbols.keys():
+            out.append(sympy_interp(PythonReferenceAnalysis, symbols, s.node.expr))
+        else:
+            raise HopValueError(
+                format_message(name, f"Inductor: an output size {s} cannot be computed from the sizes of the inputs"),
+                op=name,
+            )
+    return out
+
+
+REWRITES: dict[Any, Fn] = {
+    switch_op: rewrite_switch,
+    map_op: rewrite_map,
+    scan_op: rewrite_scan,
+    associative_scan_op: rewrite_associative_scan,
+}

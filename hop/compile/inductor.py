@@ -1,0 +1,352 @@
+"""hop's operators in Inductor (``torch.compile``) and AOTInductor.
+
+What reaches Inductor is a post-grad FX graph holding ``torch.ops.hop.*`` nodes
+(from ``torch.export`` then ``aoti_compile_and_package``, or from
+``torch.compile``). Each operator ends up in Inductor's own IR, so the generated
+code (C++ or Triton, Python or C++ wrapper) has native ``if`` / ``while`` and
+never calls back into hop: an AOTInductor package runs where hop is not installed.
+
+- ``cond``, ``while_loop`` (and ``fori_loop``, which is a while_loop): lowered
+  by Inductor's lowerings of ``torch.ops.higher_order.cond`` / ``while_loop``
+  (``ir.Conditional``, ``ir.WhileLoop``); the node layout is torch's. One
+  adaptation: hop returns a bare tensor for a single output, torch a list.
+- ``switch``, ``map``, ``scan``, ``associative_scan``: rewritten by a post-grad
+  pass (:class:`PostGradPass`, before Inductor's own passes; the rewrites are in
+  :mod:`hop.compile._inductor_rewrites`) into torch's cond / while_loop and plain
+  ops, then lowered as above:
+
+  - ``switch(index, operands, *branches)``: nested conds on ``index == k``,
+    after an ``_assert_async`` that fails for an index out of range (it is
+    never clamped);
+  - ``map`` / ``scan``: a while_loop over a counter that writes each step's
+    outputs into preallocated buffers (Note [scans as while loops]);
+  - ``associative_scan``: for a static length, hop's own O(log n) algorithm
+    traced into plain ops; for a symbolic length, the sequential scan it equals.
+
+Three traps of Inductor's control-flow lowering are handled here: a backward
+graph's donated buffers must not reach loop bodies (Note [donated buffers and
+subgraphs]); hop's int carries are read with ``.item()`` in subgraphs whose nodes
+need ``unbacked_bindings`` (:func:`_bind_item_symbols`); a loop's gradient carry
+may be stride-0 (made contiguous by the rewrites).
+
+Registration is lazy (``import hop`` does not import Inductor): when torch
+imports ``torch._inductor.lowering``, :func:`_register` adds the lowerings and
+installs the pass in ``torch._inductor.config.post_grad_custom_pre_pass``,
+ahead of any pass already there (a user who sets a pass later writes
+``hop.compile.inductor.chain(my_pass)``; without it the lowering explains).
+
+Private torch internals touched here and in the rewrites (checked on torch 2.13):
+
+- ``torch._inductor.lowering``: ``lowerings``, ``register_lowering``; the
+  ``Subgraph`` arguments' ``graph_module``;
+- ``torch._inductor.virtualized.V``: ``graph.current_node`` (its ``meta["val"]``
+  and ``unbacked_bindings``), ``graph.sizevars``, ``fake_mode``;
+- ``torch._inductor.config.post_grad_custom_pre_pass`` (its value, and the
+  ``default`` of its ``_config`` entry) and
+  ``torch._inductor.custom_graph_pass.CustomGraphPass`` / ``get_hash_for_files``;
+- ``torch._inductor.pattern_matcher``: ``CallFunctionVarArgs(op).match(node)`` and
+  ``Match.replace_by_example``;
+- ``torch._guards.TracingContext.fw_metadata.bw_donated_idxs`` (AOTAutograd);
+- ``torch.ops.higher_order.cond`` / ``while_loop`` called under ``make_fx``;
+- ``torch.utils._sympy.interp.sympy_interp`` and ``reference.PythonReferenceAnalysis``
+  (symbolic buffer sizes as expressions of the inputs' sizes);
+- the warning text of ``torch._inductor.fx_utils`` for HOPs it does not know.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from hop.compile import _inductor_rewrites as rw
+from hop.compile._hooks import on_import
+from hop.errors import HopRuntimeError, format_message
+from hop.ops.cond import cond_op
+from hop.ops.while_loop import while_loop_op
+
+__all__ = ["POST_GRAD_PASS", "PostGradPass", "chain"]
+
+Fn = Callable[..., Any]
+
+
+# --- lowerings ---------------------------------------------------------------------------
+
+
+def _register(lowering: ModuleType) -> None:
+    """Runs once torch has imported ``torch._inductor.lowering``."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    CustomGraphPass.register(PostGradPass)
+    torch_cond = lowering.lowerings[torch.ops.higher_order.cond]
+    torch_while = lowering.lowerings[torch.ops.higher_order.while_loop]
+    lowering.register_lowering(cond_op, type_promotion_kind=None)(functools.partial(_lower_cond, torch_cond))
+    lowering.register_lowering(while_loop_op, type_promotion_kind=None)(functools.partial(_lower_while, torch_while))
+    for op in rw.REWRITES:
+        lowering.register_lowering(op, type_promotion_kind=None)(_not_rewritten(op.name()))
+    _install_pass()
+    # Inductor's fake-tensor updater warns for every HOP whose layout it does not
+    # know; hop's subgraphs need no update there (Inductor then updates them all).
+    names = "|".join(op.name() for op in (cond_op, while_loop_op, *rw.REWRITES))
+    warnings.filterwarnings("ignore", f"Please add support for subgraph args to function ({names})!")
+
+
+def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
+    """torch's lowering; a single output is a 1-tuple while it runs (``ir.Conditional``
+    zips the node's ``meta["val"]`` with the branches' outputs)."""
+    from torch._inductor.virtualized import V
+
+    _bind_item_symbols(true_fn.graph_module, false_fn.graph_module)
+    node = V.graph.current_node
+    val, bindings = node.meta["val"], node.meta.get("unbacked_bindings")
+    if isinstance(val, (tuple, list)):
+        with _own_buffers():
+            return torch_cond(pred, true_fn, false_fn, operands)
+    node.meta["val"] = (val,)
+    if bindings:
+        node.meta["unbacked_bindings"] = {s: (pytree.SequenceKey(0), *p) for s, p in bindings.items()}
+    try:
+        with _own_buffers():
+            return torch_cond(pred, true_fn, false_fn, operands)[0]
+    finally:
+        node.meta["val"] = val
+        if bindings:
+            node.meta["unbacked_bindings"] = bindings
+
+
+def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: Any, additional_inputs: Any) -> Any:
+    """torch's lowering; a single carry is returned bare, as the op does."""
+    defined = _bind_item_symbols(body_fn.graph_module)
+    if defined & _bind_item_symbols(cond_fn.graph_module):
+        # The C++ wrapper declares the condition's and the body's reads in one
+        # block: the condition must define symbols of its own.
+        cond_fn.graph_module = _retrace(cond_fn.graph_module)
+        _bind_item_symbols(cond_fn.graph_module)
+    with _own_buffers():
+        out = torch_while(cond_fn, body_fn, carried_inputs, additional_inputs)
+    return out[0] if len(carried_inputs) == 1 else out
+
+
+# Note [donated buffers and subgraphs]
+# AOTAutograd lets the compiled backward graph reuse the memory of saved tensors
+# it is the last user of ("donated buffers", by input position). Inductor lowers
+# a loop body or branch with a GraphLowering of its own that reads the same
+# positions and applies them to the *subgraph's* inputs: a loop body would reuse
+# a carry or an input that later iterations read (wrong gradients). So a graph
+# holding hop's control flow donates nothing: hop's pass clears the positions
+# before Inductor lowers it (a memory optimization lost, not a result), and
+# hop's lowerings hide them while the subgraphs are created (in case the pass
+# did not run).
+
+
+def _no_donated_buffers() -> None:
+    """Note [donated buffers and subgraphs], at pass time."""
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    if getattr(meta, "bw_donated_idxs", None):
+        meta.bw_donated_idxs = []  # type: ignore[union-attr]  # AOTAutograd's "none donated"
+
+
+@contextlib.contextmanager
+def _own_buffers() -> Iterator[None]:
+    """Note [donated buffers and subgraphs], while a lowering creates subgraphs."""
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    donated = getattr(meta, "bw_donated_idxs", None)
+    if donated:
+        meta.bw_donated_idxs = []  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        if donated:
+            meta.bw_donated_idxs = donated  # type: ignore[union-attr]
+
+
+def _bind_item_symbols(*graphs: torch.fx.GraphModule) -> set[Any]:
+    """Mark each ``.item()`` of the subgraphs as the definition of its unbacked
+    symbol; return those symbols.
+
+    hop traces an int carry (or an int a branch reads) as a 0-dim int64 tensor that
+    the functions read with ``.item()``, under ``ignore_fresh_unbacked_symbols``:
+    the nodes may carry no ``unbacked_bindings``, which Inductor's lowering of
+    ``_local_scalar_dense`` needs to emit the read.
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    items = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+    symbols: set[Any] = set()
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.target in items and isinstance(val, torch.SymInt):
+                symbol = val.node.expr
+                if symbol.is_Symbol and free_unbacked_symbols(symbol):
+                    node.meta.setdefault("unbacked_bindings", {symbol: ()})
+                    symbols.add(symbol)
+    return symbols
+
+
+def _retrace(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` traced again on fresh fake inputs: its ``.item()`` reads get new symbols."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fresh(val: Any) -> Any:
+        if not isinstance(val, FakeTensor):
+            return val
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+
+    with V.fake_mode:
+        inputs = [fresh(n.meta["val"]) for n in gm.graph.find_nodes(op="placeholder")]
+    with enable_python_dispatcher(), V.fake_mode:
+        return make_fx(gm, tracing_mode="real")(*inputs)
+
+
+def _not_rewritten(name: str) -> Fn:
+    """The lowering of an operator that hop's pass should have rewritten: say why not."""
+
+    def lower(*args: Any, **kwargs: Any) -> Any:
+        from torch._inductor import config
+
+        passes = config.post_grad_custom_pre_pass
+        if POST_GRAD_PASS is passes or (isinstance(passes, (list, tuple)) and POST_GRAD_PASS in passes):
+            what = "the pass did not run on this graph"
+            fix = "Check that torch._inductor.config.use_post_grad_passes is on."
+        else:
+            what = "torch._inductor.config.post_grad_custom_pre_pass was set without hop's pass"
+            fix = "Set it to hop.compile.inductor.chain(your_pass), which runs hop's pass, then yours."
+        what = f"Inductor reached this operator before hop's post-grad pass rewrote it: {what}"
+        raise HopRuntimeError(format_message(name, what, fix=fix), op=name)
+
+    return lower
+
+
+# --- the post-grad pass ----------------------------------------------------------------
+
+
+def _install_pass() -> None:
+    """Make hop's pass the first of ``post_grad_custom_pre_pass``, keeping the user's.
+
+    Inductor's config values are context variables: a value set here would be
+    unset in another thread. hop's pass becomes the entry's *default* (seen by every
+    context that sets nothing) and, where a pass is already set, goes first in a
+    list with it. A pass a user sets later replaces hop's (see ``_not_rewritten``).
+    """
+    from torch._inductor import config
+
+    current = config.post_grad_custom_pre_pass
+    config._config["post_grad_custom_pre_pass"].default = POST_GRAD_PASS  # type: ignore[attr-defined]
+    if current is not None:
+        config.post_grad_custom_pre_pass = chain(current)
+
+
+def chain(passes: Any) -> list[Any]:
+    """``passes`` (a pass, a list of them or None) with hop's pass first, once:
+    ``config.post_grad_custom_pre_pass = hop.compile.inductor.chain(my_pass)``."""
+    listed = [] if passes is None else list(passes) if isinstance(passes, (list, tuple)) else [passes]
+    return [POST_GRAD_PASS, *(p for p in listed if p is not POST_GRAD_PASS)]
+
+
+class PostGradPass:
+    """Rewrites ``switch``, ``map``, ``scan`` and ``associative_scan`` nodes into
+    torch's cond / while_loop and plain ops (a ``post_grad_custom_pre_pass``).
+
+    A virtual subclass of Inductor's ``CustomGraphPass`` (registered with the
+    lowerings, so that defining it does not import Inductor): its :meth:`uuid`
+    keys Inductor's FX graph cache, which would otherwise be bypassed.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        ours = [
+            n for n in graph.nodes if n.op == "call_function" and n.target in (cond_op, while_loop_op, *rw.REWRITES)
+        ]
+        if ours:
+            _no_donated_buffers()
+        for node in ours:
+            if node.target in rw.REWRITES:
+                _rewrite(node, rw.REWRITES[node.target])
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PostGradPass:
+        return self  # Inductor's config copies a default it hands out; one pass is enough
+
+    def uuid(self) -> Any:
+        """Keys Inductor's FX graph cache: changes whenever the pass's files do."""
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+
+        return get_hash_for_files((__file__, rw.__file__))
+
+
+def _rewrite(node: torch.fx.Node, rewrite: Fn) -> None:
+    """Replace ``node`` by the trace of ``rewrite(node, inputs, *args)``: its subgraph
+    arguments resolved to GraphModules, ``inputs`` the traced values of the node's
+    inputs and of the nodes that define the symbols in their sizes.
+
+    A match of Inductor's pattern matcher made by hand: its ``PatternMatcherPass``
+    would skip nodes of some dtypes (complex) that hop's rewrite handles.
+    """
+    from torch._inductor.pattern_matcher import CallFunctionVarArgs
+
+    root = node.graph.owning_module
+    resolved = [_graph_module(root, a) for a in node.args]
+    flat, spec = pytree.tree_flatten(resolved)
+    inputs = [a for a in flat if isinstance(a, torch.fx.Node)]
+
+    def replacement(*values: Any) -> Any:
+        it = iter(values)
+        full = [next(it) if isinstance(a, torch.fx.Node) else a for a in flat]
+        return rewrite(node, values, *pytree.tree_unflatten(full, spec))
+
+    _allow_scalar_outputs()
+    match: Any = CallFunctionVarArgs(node.target).match(node)
+    match.replace_by_example(replacement, [*inputs, *_symbol_sources(node, inputs)], run_functional_passes=False)
+
+
+def _allow_scalar_outputs() -> None:
+    """Let the rewritten loops read their counter with ``.item()``.
+
+    The fake mode of a ``torch.compile`` refuses ``.item()`` unless Dynamo's
+    ``capture_scalar_outputs`` is set (torch's own scan lowering then fails). The
+    rewrite traces such reads, and Inductor's later passes re-run the loops' fake
+    rules, so the compilation's fake mode allows them from here on (Dynamo has
+    finished tracing: only Inductor's own fake propagation is affected).
+    """
+    from torch._inductor.virtualized import V
+
+    if not getattr(V.fake_mode, "allow_scalar_outputs", True):
+        V.fake_mode.allow_scalar_outputs = True
+
+
+def _symbol_sources(node: torch.fx.Node, inputs: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Earlier nodes whose value is, or has a size that is, a symbol the inputs' sizes
+    use but do not hold as a size of their own (``n`` for an input of length ``n - 1``)."""
+    vals = [i.meta.get("val") for i in inputs]
+    missing = rw.free_symbols(vals) - rw.plain_symbols(vals).keys()
+    sources = []
+    for earlier in node.graph.nodes:
+        if earlier is node or not missing:
+            break
+        found = rw.plain_symbols([earlier.meta.get("val")]).keys() & missing
+        if found:
+            sources.append(earlier)
+            missing -= found
+    return sources
+
+
+def _graph_module(root: Any, arg: Any) -> Any:
+    """``arg``, or the GraphModule it names if it is a get_attr node (a subgraph)."""
+    if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+        return operator.attrgetter(str(arg.target))(root)
+    return arg
+
+
+POST_GRAD_PASS = PostGradPass()
+
+on_import("torch._inductor.lowering", _register)
