@@ -1,0 +1,93 @@
+"""remove_dead_outputs: outputs of a cond/switch that nothing reads leave the node and every branch."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from hop.passes import _program
+from hop.passes._program import Program
+
+
+def remove_dead_outputs(program: Program) -> Program:
+    """A copy of ``program`` in which every ``torch.ops.hop.cond`` / ``switch`` returns only
+    the outputs some node reads (through a ``getitem``); each branch stops returning the
+    others, and the computations that only fed them are removed from the branch.
+
+    A node whose dropped outputs bind data-dependent sizes is left alone (the symbols
+    would lose their binding).
+    """
+
+    def prune(gm: torch.fx.GraphModule, top: bool) -> bool:
+        changed = False
+        for node in _program.branching_nodes(gm):
+            changed |= _prune(gm, node)
+        if changed:
+            _program.eliminate_dead_code(gm)
+        return changed
+
+    return _program.apply(program, prune)
+
+
+def _prune(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    vals = node.meta.get("val")
+    if not isinstance(vals, (tuple, list)) or any(
+        u.target is not operator.getitem or not isinstance(u.args[1], int) for u in node.users
+    ):
+        return False  # one value, or read other than by index: every output is live
+    for user in [u for u in node.users if not u.users]:
+        gm.graph.erase_node(user)  # a getitem nobody reads
+    live = sorted({_index(u) for u in node.users})
+    if len(live) == len(vals) or not live:  # nothing to drop, or the whole node is dead (DCE's job)
+        return False
+    bindings = _renumber_bindings(node.meta.get("unbacked_bindings"), live)
+    if bindings is None:
+        return False
+    _, _, branches = _program.layout(node)
+    for attr in branches:  # a pruned copy: another node may share the original attribute
+        _program.replace_subgraph(gm, node, attr, _pruned(_program.subgraph(gm, attr), live), "pruned")
+    if len(live) == 1:  # hop's layout for one output: the value itself, no getitem
+        for user in list(node.users):
+            user.replace_all_uses_with(node)
+            gm.graph.erase_node(user)
+        node.meta["val"] = vals[live[0]]
+        bindings = {s: path[1:] for s, path in bindings.items()}
+    else:
+        for user in list(node.users):
+            user.args = (node, live.index(_index(user)))
+        node.meta["val"] = tuple(vals[i] for i in live)
+    if bindings:
+        node.meta["unbacked_bindings"] = bindings
+    return True
+
+
+def _index(getitem: torch.fx.Node) -> int:
+    index = getitem.args[1]
+    assert isinstance(index, int)  # checked by _prune before any edit
+    return index
+
+
+def _pruned(branch: torch.fx.GraphModule, live: list[int]) -> torch.fx.GraphModule:
+    """A copy of ``branch`` returning outputs ``live`` only, without what fed only the others."""
+    branch = _program.copy_graph_module(branch)
+    out, outputs = _program.output_nodes(branch)
+    out.args = (outputs[live[0]] if len(live) == 1 else tuple(outputs[i] for i in live),)
+    _program.eliminate_dead_code(branch)
+    branch.recompile()
+    return branch
+
+
+def _renumber_bindings(
+    bindings: dict[object, tuple[object, ...]] | None, live: list[int]
+) -> dict[object, tuple[object, ...]] | None:
+    """Unbacked-symbol bindings with output indices renumbered; None where a binding reads a
+    dropped output (or a path this pass does not know)."""
+    renumbered: dict[object, tuple[object, ...]] = {}
+    for symbol, path in (bindings or {}).items():
+        if not path or not isinstance(path[0], pytree.SequenceKey) or path[0].idx not in live:
+            return None
+        renumbered[symbol] = (pytree.SequenceKey(live.index(path[0].idx)), *path[1:])
+    return renumbered
