@@ -40,7 +40,7 @@ from hop.compile._dynamo_capture import (
     speculate,
     unflatten,
 )
-from hop.errors import HopTypeError, HopValueError, format_message
+from hop.errors import HopTypeError, format_message
 from hop.ops import _looping as lp
 from hop.ops import associative_scan as associative_scan_module
 from hop.ops import map as map_module
@@ -163,18 +163,8 @@ class AssociativeScanVariable(HopVariable):
         reverse_vt, mode_vt = params["reverse"], params["combine_mode"]
         name = "associative_scan"
         fn = callable_stand_in(tx, combine_fn)
-        lp.check_callable(name, "combine_fn", fn)
         mode, reverse, dim = example(mode_vt), example(reverse_vt), example(dim_vt)
-        if mode not in associative_scan_module._MODES:
-            raise HopValueError(
-                format_message(name, f'combine_mode must be "pointwise" or "generic", got {mode!r}'),
-                op=name,
-                role="combine_mode",
-            )
-        if type(reverse) is not bool:
-            raise HopTypeError(
-                format_message(name, f"reverse must be a bool, got {type(reverse).__name__}"), op=name, role="reverse"
-            )
+        associative_scan_module.check_options(fn, reverse, mode)
         leaves, spec = flatten(tx, xs)
         dims, _ = lp.check_xs(name, example_tree(tx, xs), [example(x) for x in leaves], dim)
         moved = [method(tx, x, "movedim", d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]

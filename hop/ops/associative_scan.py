@@ -83,17 +83,7 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
         return _reference.reference_associative_scan(combine_fn, xs, dim, reverse, combine_mode)
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return associative_scan_op(DYNAMO_CALL, associative_scan, combine_fn, xs, dim, reverse, combine_mode)
-    lp.check_callable(_NAME, "combine_fn", combine_fn)
-    if combine_mode not in _MODES:
-        raise HopValueError(
-            format_message(_NAME, f'combine_mode must be "pointwise" or "generic", got {combine_mode!r}'),
-            op=_NAME,
-            role="combine_mode",
-        )
-    if type(reverse) is not bool:
-        raise HopTypeError(
-            format_message(_NAME, f"reverse must be a bool, got {type_name(reverse)}"), op=_NAME, role="reverse"
-        )
+    check_options(combine_fn, reverse, combine_mode)
     leaves, spec = lp.flatten(xs)
     dims, n = lp.check_xs(_NAME, xs, leaves, dim)
     moved = [x.movedim(d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
@@ -106,6 +96,21 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
         out = associative_scan_op(body, tuple(moved), tuple(lifted), combine_mode)
     out = [o.flip(0) for o in as_tuple(out)] if reverse else as_tuple(out)
     return lp.unflatten([o.movedim(0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
+
+
+def check_options(combine_fn: Any, reverse: Any, combine_mode: Any) -> None:
+    """The arguments besides ``xs`` and ``dim`` (also checked by the Dynamo handler)."""
+    lp.check_callable(_NAME, "combine_fn", combine_fn)
+    if combine_mode not in _MODES:
+        raise HopValueError(
+            format_message(_NAME, f'combine_mode must be "pointwise" or "generic", got {combine_mode!r}'),
+            op=_NAME,
+            role="combine_mode",
+        )
+    if type(reverse) is not bool:
+        raise HopTypeError(
+            format_message(_NAME, f"reverse must be a bool, got {type_name(reverse)}"), op=_NAME, role="reverse"
+        )
 
 
 def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
