@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from types import BuiltinFunctionType, FunctionType
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from hop.errors import (
     format_message,
     type_name,
 )
-from hop.ops._zero_grads import only_vmap_levels, zero_untaken
+from hop.ops._zero_grads import only_vmap_levels, reads_nothing, zero_untaken
 
 Fn = Callable[..., Any]
 
@@ -166,6 +167,9 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
 
 MISS = object()
 _Tensor = torch.Tensor
+_Function = FunctionType
+_Builtin = BuiltinFunctionType
+_VERDICTS = validation._VERDICTS
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -193,6 +197,54 @@ def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, .
     ):
         check_new_kind(BY_NAME[name], key, branches, operands, k, out)
     return finish_eager(out, branches, operands)
+
+
+def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> Any:
+    """``branches[k](x)`` for a plain eager call (as :func:`eager_fast`) with the one
+    plain tensor operand ``x``, closure-free functions or builtins as branches and a
+    validated signature; :data:`MISS` otherwise.
+
+    The commonest call of cond and switch, long-hand: one walk over the branches
+    builds the verdict's key (``validation.flat_signature``'s) and, with grad
+    enabled, decides whether any of them can read a tensor that requires grad (Note
+    [untaken branches get zero gradients]), which would otherwise be a walk each.
+    """
+    if config.validate is not _ONCE:
+        return MISS
+    grad = _grad_enabled()
+    plain = True  # no branch reads a tensor from outside its arguments
+    key: list[Any] = [b.name]
+    add = key.append
+    for fn in branches:
+        kind = type(fn)
+        if kind is _Function:
+            if fn.__closure__ is not None:
+                return MISS
+            add(fn.__code__)
+        elif kind is _Builtin:
+            add(id(fn))  # validation.callable_key's
+        else:
+            return MISS
+        if plain and grad:
+            plain = reads_nothing(fn)
+    add(x.dtype)
+    add(x.ndim)
+    add(x.get_device())
+    signature = tuple(key)
+    kinds = _VERDICTS.get(signature)
+    if kinds is None:
+        return MISS
+    out = branches[k](x)
+    # Note [outputs are checked on every call]
+    if (type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds) and not (
+        validation.known_kind(signature, out)
+    ):
+        check_new_kind(b, signature, branches, (x,), k, out)
+    if grad and (x.requires_grad or not plain):
+        return finish_eager(out, branches, (x,))
+    if type(out) is _Tensor and out is not x and not out._is_view():
+        return out
+    return no_alias_tree(out, (x,))
 
 
 def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
