@@ -36,11 +36,11 @@ from hop.errors import (
     HopRuntimeError,
     HopTypeError,
     HopValueError,
-    MutationError,
     OutputMismatchError,
     format_message,
     type_name,
 )
+from hop.ops._common import check_effects, differentiable, save_operands, saved_operands
 from hop.ops._zero_grads import only_vmap_levels, reads_nothing, zero_untaken
 
 Fn = Callable[..., Any]
@@ -56,6 +56,7 @@ class Branching:
     index: Callable[[Any, int], int]  # concrete selector -> branch index (checked)
     masks: Callable[[Any, int], list[Any]]  # tensor selector -> one bool mask per branch
     roles: Callable[[int], tuple[str, ...]]
+    node_args: Callable[[Any, Sequence[Any], tuple[Any, ...]], tuple[Any, ...]]  # (selector, graphs, operands)
     selector: str = "index"  # the selector's parameter name, for messages
 
     def __post_init__(self) -> None:
@@ -460,13 +461,9 @@ def autograd(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[
     return _as_node(b, sel, branches, operands)
 
 
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
 def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
     """``(*operands, *cotangents) -> grads of the differentiable operands``."""
-    diff = [i for i, x in enumerate(operands) if _differentiable(x)]
+    diff = [i for i, x in enumerate(operands) if differentiable(x)]
 
     def vjp_branch(*args: Any) -> Any:
         primals, cts = list(args[:n]), args[n:]
@@ -474,7 +471,7 @@ def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
 
         def on_diff(*d: Any) -> Any:
             out = as_tuple(fn(*_transforms.place(primals, diff, d)))
-            kept[:] = [i for i, o in enumerate(out) if _differentiable(o)]
+            kept[:] = [i for i, o in enumerate(out) if differentiable(o)]
             return tuple(out[i] for i in kept) or (torch.zeros(()),)
 
         out, vjp_fn = torch.func.vjp(on_diff, *[primals[i] for i in diff])[:2]
@@ -488,7 +485,7 @@ def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
 
 def _jvp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
     """``(*operands, *tangents of the differentiable operands) -> (*outputs, *output tangents)``."""
-    diff = [i for i, x in enumerate(operands) if _differentiable(x)]
+    diff = [i for i, x in enumerate(operands) if differentiable(x)]
 
     def jvp_branch(*args: Any) -> Any:
         primals, tangents = list(args[:n]), args[n:]
@@ -517,17 +514,12 @@ class _BranchFunction(torch.autograd.Function):
         b, sel, branches, *operands = inputs
         ctx.b, ctx.branches, ctx.n = b, branches, len(operands)
         ctx.single = not isinstance(output, tuple)
-        tensors = [x for x in (sel, *operands) if isinstance(x, torch.Tensor)]
-        ctx.save_for_backward(*tensors)
-        ctx.save_for_forward(*tensors)
-        ctx.layout = [isinstance(x, torch.Tensor) for x in (sel, *operands)]
-        ctx.others = [x for x in (sel, *operands) if not isinstance(x, torch.Tensor)]
+        save_operands(ctx, (sel, *operands))
 
     @staticmethod
     def _inputs(ctx: Any) -> tuple[Any, list[Any]]:
-        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
-        values = [next(tensors) if is_t else next(others) for is_t in ctx.layout]
-        return values[0], values[1:]
+        sel, *operands = saved_operands(ctx)
+        return sel, operands
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -535,7 +527,7 @@ class _BranchFunction(torch.autograd.Function):
         bw = [_vjp_branch(fn, operands, ctx.n) for fn in ctx.branches]
         out = as_tuple(ctx.b.call(sel, bw, (*operands, *grads)))
         it = iter(out)
-        return (None, None, None, *[next(it) if _differentiable(x) else None for x in operands])
+        return (None, None, None, *[next(it) if differentiable(x) else None for x in operands])
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -543,7 +535,7 @@ class _BranchFunction(torch.autograd.Function):
         diff_t = [
             torch.zeros_like(x) if t is None else t
             for x, t in zip(operands, tangents[3:], strict=True)
-            if _differentiable(x)
+            if differentiable(x)
         ]
         fw = [_jvp_branch(fn, operands, ctx.n) for fn in ctx.branches]
         out = as_tuple(ctx.b.call(sel, fw, (*operands, *diff_t)))
@@ -668,13 +660,21 @@ def proxy(b: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: S
     graphs, lifted = _subgraph.trace_branches(branches, operands)
     roles = b.roles(len(branches))
     for role, fn, gm in zip(roles, branches, graphs, strict=True):
-        _check_effects(b, role, fn, gm)
+        check_effects(
+            b.name,
+            role,
+            fn,
+            gm,
+            what="operand",
+            updates="operands",
+            fix="Return the updated value from the branch instead of writing the operand.",
+        )
     all_operands = (*operands, *lifted)
     with recording() as fresh:
         out = b.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
     for gm in graphs:
         _match_layout(gm, as_tuple(out))
-    result = _subgraph.emit(mode, b.op, _node_args(b, sel, graphs, all_operands), out)
+    result = _subgraph.emit(mode, b.op, b.node_args(sel, graphs, all_operands), out)
     assert_ranges(mode, b.name, result, fresh)
     return result
 
@@ -703,26 +703,3 @@ def _match_layout(gm: torch.fx.GraphModule, merged: Sequence[Any]) -> None:
         single = not isinstance(out_node.args[0], (tuple, list))
         out_node.args = (flat[0] if single else tuple(flat),)
         gm.recompile()
-
-
-def _node_args(b: Branching, sel: Any, graphs: Sequence[Any], operands: tuple[Any, ...]) -> tuple[Any, ...]:
-    if b.name == "cond":
-        return (sel, graphs[0], graphs[1], operands)
-    return (sel, operands, *graphs)
-
-
-def _check_effects(b: Branching, role: str, fn: Fn, gm: torch.fx.GraphModule) -> None:
-    effects = _subgraph.find_mutations_and_aliases(gm)
-    if effects.mutated:
-        raise MutationError(
-            format_message(
-                b.name,
-                f"{role} ({_subgraph.describe_fn(fn)}) writes operand {effects.mutated[0]} in place; in-place "
-                "updates of operands run in eager but cannot be traced (make_fx, torch.export)",
-                fix="Return the updated value from the branch instead of writing the operand.",
-            ),
-            op=b.name,
-            role=role,
-        )
-    if effects.aliased:
-        _subgraph.clone_aliased_outputs(gm, effects)

@@ -49,6 +49,7 @@ import torch
 from torch._C._functorch import TransformType
 
 from hop import _subgraph
+from hop.ops._common import differentiable
 
 __all__ = ["close_over_nothing", "reads_nothing", "zero_untaken"]
 
@@ -125,13 +126,13 @@ def _attach(out: Any, branches: Sequence[Callable[..., Any]], operands: Sequence
         spec = None
     else:
         leaves, spec = _subgraph.flatten(out)
-        if not any(_differentiable(o) for o in leaves):
+        if not any(differentiable(o) for o in leaves):
             return out
     closure = () if plain else _subgraph.closure_tensors(branches)
     reads = list({id(x): x for x in (*operands, *closure) if _dense_requiring_grad(x)}.values())
     if not reads or _tracing_state() is not None:  # torch.jit.trace would record a Python op
         return out
-    at = [i for i, o in enumerate(leaves) if _differentiable(o)]
+    at = [i for i, o in enumerate(leaves) if differentiable(o)]
     inputs = (len(at), *[leaves[i] for i in at], *reads)
     passed = _ZeroGradsBatched.apply(*inputs) if _transforms_active() else _apply(*inputs)  # type: ignore[no-untyped-call]
     for i, o in zip(at, passed, strict=True):
@@ -143,10 +144,6 @@ def only_vmap_levels() -> bool:
     """Every active torch.func transform is a vmap: plain autograd outside them
     differentiates the node (through its generated vmap rule), none of them does."""
     return all(i.key() == TransformType.Vmap for i in _interpreter_stack() or ())
-
-
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, _Tensor) and (x.is_floating_point() or x.is_complex())
 
 
 def _dense_requiring_grad(x: Any) -> bool:

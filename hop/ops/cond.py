@@ -197,6 +197,7 @@ COND = br.Branching(
     index=_index,
     masks=_masks,
     roles=lambda n: ("true_fn", "false_fn"),
+    node_args=lambda pred, graphs, operands: (pred, graphs[0], graphs[1], operands),
     selector="pred",
 )
 

@@ -218,6 +218,7 @@ SWITCH = br.Branching(
     index=_index,
     masks=_masks,
     roles=lambda n: tuple(f"branches[{k}]" for k in range(n)),
+    node_args=lambda index, graphs, operands: (index, operands, *graphs),
 )
 
 
