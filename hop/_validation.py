@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hop import _subgraph, config
 from hop.errors import HopValueError, format_message
@@ -218,9 +219,12 @@ def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
     """Static-shape fake copies of ``leaves``, inside their fake mode, isolated from
     the caller's world (Note [validation is invisible])."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in leaves]
-    with _isolated(), mode, _FakeClosures(mode):
-        yield fake
+    # user modes (Note [user modes]) would see the fake run's meta kernels: set them aside
+    user_modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+    with user_modes:
+        fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in leaves]
+        with _isolated(), mode, _FakeClosures(mode):
+            yield fake
 
 
 # Note [validation is invisible]
