@@ -16,10 +16,12 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from types import FunctionType, MethodType
+from types import CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 import torch
+import torch.nn.modules.module as nn_module
+import torch.nn.utils.parametrize as parametrize
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -39,6 +41,7 @@ __all__ = [
     "is_known",
     "remember",
     "fake_inputs",
+    "check_hooks",
 ]
 
 Fn = Callable[..., Any]
@@ -46,7 +49,8 @@ _Tensor = torch.Tensor
 
 
 class NotValidatable(Exception):
-    """The callables cannot be checked ahead of time (recursion through hop operators)."""
+    """The callables cannot be checked ahead of time (recursion through hop operators,
+    modules with forward hooks: Note [module hooks do not see validation])."""
 
 
 # Errors that mean "this callable cannot run on fake tensors", not "it is wrong".
@@ -59,6 +63,9 @@ CANNOT_FAKE = (
 )
 
 _VERDICTS: dict[Any, set[Any]] = {}
+# Per verdict, the callables a fake run gave up on and why (read only when an
+# output check fails, to say that callable was checked by its real call alone).
+_UNCHECKED: dict[Any, dict[int, str]] = {}
 
 
 def value_key(v: Any) -> Any:
@@ -143,11 +150,21 @@ def remember(key: Any, kind: Any = None) -> None:
     could run on fake tensors), starting over when the cache is full."""
     if len(_VERDICTS) >= config.validation_cache_size:
         _VERDICTS.clear()
+        _UNCHECKED.clear()
     _VERDICTS[key] = set() if kind is None else {kind}
+
+
+def remember_unchecked(key: Any, unchecked: dict[int, str]) -> None:
+    """Record which callables of ``key``'s verdict no fake run checked, and why."""
+    if unchecked:
+        _UNCHECKED[key] = unchecked
+    else:
+        _UNCHECKED.pop(key, None)
 
 
 def forget(key: Any) -> None:
     _VERDICTS.pop(key, None)
+    _UNCHECKED.pop(key, None)
 
 
 # Note [outputs are checked on every call]
@@ -219,7 +236,7 @@ def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
     the caller's world (Note [validation is invisible])."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in leaves]
-    with _isolated(), mode, _FakeClosures(mode):
+    with _isolated(), _no_module_hooks(), _no_parametrization_cache(), mode, _FakeClosures(mode):
         yield fake
 
 
@@ -237,6 +254,8 @@ def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
 # - a callable that calls its own operator recursively (a factorial) cannot be
 #   checked ahead of time: past a nesting depth the run gives up, as for a
 #   data-dependent callable (NotValidatable), and the real call decides;
+# - module forward hooks (Note [module hooks do not see validation]) and
+#   parametrize.cached()'s cache (a fake weight would be served to the real call);
 # - torch's fake-tensor logger reports failing meta kernels; the failure is the
 #   verdict here, so a filter of hop's own drops those records in this thread
 #   only (the logger's level, a process-wide setting, is never touched).
@@ -319,3 +338,129 @@ class _FakeClosures(torch.overrides.TorchFunctionMode):
                 return fn(*a)
 
         return functools.wraps(fn)(in_mode) if isinstance(fn, FunctionType) else in_mode
+
+
+# Note [module hooks do not see validation]
+# A module's forward (pre-)hooks belong to the module, often to a framework:
+# FSDP2 all-gathers parameters and steps a state machine in them, activation
+# checkpointing and weight_norm swap tensors, profilers count calls. A user reads
+# hop.cond as a Python ``if``: the hooks of the taken branch's modules fire once,
+# in the real call. Running them on fake tensors corrupts such state, and running
+# the module without them would check a different function (hooks may cast
+# dtypes, FSDP2's mixed precision does, then the per-call check would report a
+# false mismatch). So a fake run never calls a hooked module: it gives up
+# (NotValidatable) as for a data-dependent callable, and that callable is checked
+# by its real call (Note [outputs are checked on every call]) instead.
+# - While a fake run is on, a global forward pre-hook of hop's, placed before any
+#   other, raises NotValidatable in the validating thread when a module about to
+#   run has forward hooks of its own (or global ones exist): before any of them
+#   fires. Other threads pass through it.
+# - Forward hooks registered with ``always_call=True`` still run when a module's
+#   forward raises, so a callable that reaches such a module (through closures,
+#   defaults, globals it names, bound ``self``, partials, containers and module
+#   trees) or any global always-call hook is not run on fake tensors at all
+#   (:func:`check_hooks`).
+# Backward hooks are left alone: a fake run never runs a backward.
+
+
+def check_hooks(*fns: Any) -> None:
+    """Raise NotValidatable when running ``fns`` on fake tensors could fire a forward
+    hook that raising cannot stop (Note [module hooks do not see validation])."""
+    if nn_module._global_forward_hooks_always_called:
+        raise NotValidatable("a global forward hook is registered with always_call=True")
+    for m in _reached_modules(fns):
+        if m._forward_hooks_always_called:
+            raise NotValidatable(f"{type(m).__name__} has a forward hook registered with always_call=True")
+
+
+_MAX_REACH = 10_000
+_ATOMS = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), type, ModuleType, CodeType)
+
+
+def _reached_modules(fns: Sequence[Any]) -> Iterator[torch.nn.Module]:
+    """The modules ``fns`` can reach (looking at most at _MAX_REACH objects)."""
+    todo, seen = list(fns), set[int]()
+    while todo and len(seen) < _MAX_REACH:
+        obj = todo.pop()
+        if isinstance(obj, _ATOMS) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            yield obj
+        todo.extend(_referents(obj))
+
+
+def _referents(obj: Any) -> list[Any]:
+    """What calling ``obj`` may read: a function's closure, defaults and named globals,
+    a method's function and self, a partial's parts, a container's items, a module's
+    submodules and public attributes, another object's attributes."""
+    if type(obj) is FunctionType:
+        named = [obj.__globals__[n] for n in _names(obj.__code__) if n in obj.__globals__]
+        return [*_cell_values(obj), *(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values(), *named]
+    if type(obj) is MethodType:
+        return [obj.__func__, obj.__self__]
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(obj)
+    if isinstance(obj, dict):
+        return list(obj.values())
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return []
+    if isinstance(obj, torch.nn.Module):
+        return [*obj._modules.values(), *(v for k, v in attrs.items() if not k.startswith("_"))]
+    return list(attrs.values())
+
+
+def _cell_values(fn: FunctionType) -> list[Any]:
+    values = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not assigned yet
+            continue
+    return values
+
+
+@functools.lru_cache(maxsize=256)
+def _names(code: CodeType) -> frozenset[str]:
+    """The global names ``code`` and the code nested in it may read."""
+    nested = (_names(c) for c in code.co_consts if isinstance(c, CodeType))
+    return frozenset(code.co_names).union(*nested)
+
+
+def _refuse_hooked(module: torch.nn.Module, args: Any) -> None:
+    """hop's global forward pre-hook while a fake run is on (Note [module hooks do not see validation])."""
+    if not getattr(_LOCAL, "depth", 0):
+        return  # another thread's module
+    if module._forward_pre_hooks or module._forward_hooks:
+        raise NotValidatable(f"{type(module).__name__} has forward hooks")
+    if nn_module._global_forward_hooks or any(h is not _refuse_hooked for h in _global_pre_hooks().values()):
+        raise NotValidatable("global module forward hooks are registered")
+
+
+def _global_pre_hooks() -> Any:
+    return nn_module._global_forward_pre_hooks
+
+
+@contextlib.contextmanager
+def _no_module_hooks() -> Iterator[None]:
+    handle = nn_module.register_module_forward_pre_hook(_refuse_hooked)
+    _global_pre_hooks().move_to_end(handle.id, last=False)  # before any other global hook
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _no_parametrization_cache() -> Iterator[None]:
+    """Entries a fake run adds to parametrize.cached()'s cache are fake: drop them."""
+    before = set(parametrize._cache) if parametrize._cache_enabled else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            for k in [k for k in parametrize._cache if k not in before]:
+                del parametrize._cache[k]

@@ -355,12 +355,15 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
         return None if config.validate == "never" else key
     flat, outputs = flat_branches(b, branches, spec)
     roles = b.roles(len(branches))
+    unchecked: dict[int, str] = {}
     with validation.fake_inputs(leaves) as fake:
         for k in [taken] + [i for i in range(len(flat)) if i != taken]:
             try:
+                validation.check_hooks(branches[k])
                 flat[k](*fake)
-            except validation.CANNOT_FAKE:
-                continue  # data-dependent: cannot be checked ahead of time
+            except validation.CANNOT_FAKE as e:
+                unchecked[k] = f"{type(e).__name__}: {e}"
+                continue  # data-dependent, or hooked modules: checked by its real call
             except HopTypeError:
                 raise
             except Exception as e:
@@ -376,6 +379,7 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
                     role=roles[k],
                 ) from e
     validation.remember(key, outputs.kind)
+    validation.remember_unchecked(key, unchecked)
     return key
 
 
@@ -392,6 +396,9 @@ def check_new_kind(b: Branching, key: Any, branches: Sequence[Fn], operands: Seq
         return
     role = b.roles(len(branches))[k]
     expected = next(iter(validation._VERDICTS.get(key) or {None}))
+    why = validation._UNCHECKED.get(key, {}).get(k)
+    if why is not None:
+        raise _unchecked_mismatch(b, branches, k, out, expected, why)
     raise OutputMismatchError(
         format_message(
             b.name,
@@ -399,6 +406,23 @@ def check_new_kind(b: Branching, key: Any, branches: Sequence[Fn], operands: Seq
             f"fake tensors it returns {validation.describe_kind(expected, kind=True)}: its output depends on "
             "something that is neither its code, its closure nor its operands",
             fix=f"Make {role} return the same kind of value whatever it reads from outside (defaults, globals).",
+        ),
+        op=b.name,
+        role=role,
+    )
+
+
+def _unchecked_mismatch(b: Branching, branches: Sequence[Fn], k: int, out: Any, expected: Any, why: str) -> Exception:
+    """The error for a branch no fake run could check whose real output differs from
+    what the other branches were checked to return."""
+    role = b.roles(len(branches))[k]
+    return OutputMismatchError(
+        format_message(
+            b.name,
+            f"{role} ({_subgraph.describe_fn(branches[k])}) returned {validation.describe_kind(out)}, but the other "
+            f"branches, checked on fake tensors, return {validation.describe_kind(expected, kind=True)} ({role} "
+            f"itself could not be checked ahead of time: {why})",
+            fix="Make every branch return the same structure, dtypes, devices and ranks.",
         ),
         op=b.name,
         role=role,
