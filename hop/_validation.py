@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from hop import _subgraph, config
-from hop.errors import HopValueError, format_message
+from hop.errors import HopTypeError, HopValueError, format_message, type_name
 
 __all__ = [
     "CANNOT_FAKE",
@@ -148,10 +148,35 @@ def is_known(key: Any) -> bool:
 def remember(key: Any, kind: Any = None) -> None:
     """Record a passed validation and the kind of output it found (None: no branch
     could run on fake tensors), starting over when the cache is full."""
-    if len(_VERDICTS) >= config.validation_cache_size:
+    if len(_VERDICTS) >= _cache_size():
         _VERDICTS.clear()
         _UNCHECKED.clear()
     _VERDICTS[key] = set() if kind is None else {kind}
+
+
+def _cache_size() -> int:
+    """``hop.config.validation_cache_size``, checked where it is read: on a new
+    verdict only, never on a call whose signature is known."""
+    size = config.validation_cache_size
+    if type(size) is not int:
+        raise HopTypeError(
+            format_message(
+                "config",
+                f"validation_cache_size must be an int, got {size!r} ({type_name(size)})",
+                fix="Assign a positive int, e.g. hop.config.validation_cache_size = 1024.",
+            ),
+            role="validation_cache_size",
+        )
+    if size < 1:
+        raise HopValueError(
+            format_message(
+                "config",
+                f"validation_cache_size must be at least 1, got {size}",
+                fix='To validate every call instead of remembering verdicts, set hop.config.validate = "always".',
+            ),
+            role="validation_cache_size",
+        )
+    return size
 
 
 def remember_unchecked(key: Any, unchecked: dict[int, str]) -> None:

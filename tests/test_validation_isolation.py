@@ -316,3 +316,27 @@ def test_hooks_of_another_thread_still_fire_during_validation() -> None:
     release.set()
     t.join()
     assert seen[:2] == ["pre", "post"]
+
+
+# --- hop.config values of the wrong kind ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("10", hop.errors.HopTypeError, r"^hop\.config: validation_cache_size must be an int, got '10' \(str\)"),
+        (2.0, hop.errors.HopTypeError, r"validation_cache_size must be an int, got 2\.0 \(float\)"),
+        (True, hop.errors.HopTypeError, r"validation_cache_size must be an int, got True \(bool\)"),
+        (0, hop.errors.HopValueError, r"validation_cache_size must be at least 1, got 0"),
+    ],
+)
+def test_validation_cache_size_of_the_wrong_kind_names_the_setting(value: Any, error: type, match: str) -> None:
+    previous = hop.config.validation_cache_size
+    hop.config.validation_cache_size = value
+    try:
+        with pytest.raises(error, match=match):
+            hop.cond(torch.tensor(True), lambda v: v + 1, lambda v: v - 1, (torch.ones(2),))
+        with pytest.raises(error, match=match):
+            hop.while_loop(lambda i: i < 2, lambda i: i + 1, (torch.tensor(0),))
+    finally:
+        hop.config.validation_cache_size = previous
