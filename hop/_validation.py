@@ -23,6 +23,8 @@ import torch
 import torch.nn.modules.module as nn_module
 import torch.nn.utils.parametrize as parametrize
 import torch.utils._pytree as pytree
+from torch._C._functorch import is_functorch_wrapped_tensor as _is_wrapped
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -260,9 +262,28 @@ def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
     """Static-shape fake copies of ``leaves``, inside their fake mode, isolated from
     the caller's world (Note [validation is invisible])."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in leaves]
-    with _isolated(), _no_module_hooks(), _no_parametrization_cache(), mode, _FakeClosures(mode):
-        yield fake
+    with temporarily_clear_interpreter_stack():  # Note [validation under torch.func]
+        fake = [_to_fake(mode, x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        with _isolated(), _no_module_hooks(), _no_parametrization_cache(), mode, _FakeClosures(mode):
+            yield fake
+
+
+# Note [validation under torch.func]
+# Under torch.func.grad, jvp or a vmap whose selector is not batched, a concrete
+# cond/switch runs its chosen branch inline (Note [eager branches run inline]),
+# and is validated as in plain eager: same signature, same verdict cache. The
+# fake run happens outside every functorch level (the interpreter stack is set
+# aside for it), so no transform sees it; a tensor wrapped by a transform (an
+# operand, or a closed-over tensor of an outer level) becomes a fresh fake tensor
+# of its logical metadata, the sizes the branch sees: a batched tensor's without
+# its batch dimension.
+
+
+def _to_fake(mode: FakeTensorMode, x: _Tensor) -> _Tensor:
+    if not _is_wrapped(x):
+        return mode.from_tensor(x, static_shapes=True)
+    with mode:  # no requires_grad: functorch forbids setting it inside a transform
+        return torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
 
 
 # Note [validation is invisible]
@@ -333,6 +354,7 @@ class _FakeClosures(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.mode = mode
         self.nesting = 0
+        self.wrapped: dict[int, tuple[_Tensor, _Tensor]] = {}
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
@@ -341,7 +363,7 @@ class _FakeClosures(torch.overrides.TorchFunctionMode):
 
         def fake(x: Any) -> Any:
             if type(x) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not x.is_meta:
-                return self.mode.from_tensor(x, static_shapes=True)
+                return self._fake(x)
             if hop_op and callable(x) and not isinstance(x, torch.Tensor):
                 return self._inside(x)  # a nested operator's callables close over real tensors too
             return x
@@ -356,6 +378,14 @@ class _FakeClosures(torch.overrides.TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             self.nesting -= 1
+
+    def _fake(self, x: _Tensor) -> _Tensor:
+        """The fake copy of ``x``, the same one on every use (a write is seen by later reads)."""
+        if not _is_wrapped(x):
+            return self.mode.from_tensor(x, static_shapes=True)  # memoized by the mode
+        if id(x) not in self.wrapped:
+            self.wrapped[id(x)] = (x, _to_fake(self.mode, x))  # x kept: its id stays its own
+        return self.wrapped[id(x)][1]
 
     def _inside(self, fn: Fn) -> Fn:
         def in_mode(*a: Any) -> Any:

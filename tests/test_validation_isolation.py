@@ -340,3 +340,74 @@ def test_validation_cache_size_of_the_wrong_kind_names_the_setting(value: Any, e
             hop.while_loop(lambda i: i < 2, lambda i: i + 1, (torch.tensor(0),))
     finally:
         hop.config.validation_cache_size = previous
+
+
+def test_backward_hooks_fire_only_in_the_real_backward() -> None:
+    seen: list[str] = []
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    a.register_full_backward_hook(lambda m, gi, go: seen.append("a"))
+    b.register_full_backward_hook(lambda m, gi, go: seen.append("b"))
+    x = torch.randn(2, 4, requires_grad=True)
+    hop.cond(torch.tensor(True), lambda v: a(v), lambda v: b(v), (x,)).sum().backward()
+    assert seen == ["a"]
+    assert all(p.grad is not None for p in (*a.parameters(), *b.parameters()))
+
+
+# --- Note [validation under torch.func] -------------------------------------------------------
+
+
+def _mismatched(op: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A call whose untaken branch returns float64 where the taken one returns float32."""
+    if op == "cond":
+        return lambda v: hop.cond(torch.tensor(True), lambda a: a.sin().sum(), lambda a: a.double().sum(), (v,))
+    return lambda v: hop.switch(torch.tensor(0), [lambda a: a.sin().sum(), lambda a: a.double().sum()], (v,))
+
+
+_TRANSFORMS: dict[str, Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], Any]] = {
+    "eager": lambda f, x: f(x),
+    "grad": lambda f, x: torch.func.grad(f)(x),
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (x,)),
+    "vjp": lambda f, x: (lambda out, pull: (out, pull(torch.ones_like(out))))(*torch.func.vjp(f, x)),
+    "vmap": lambda f, x: torch.vmap(f)(x.expand(2, 3)),
+    "grad_of_vmap": lambda f, x: torch.func.grad(lambda v: torch.vmap(f)(v.expand(2, 3)).sum())(x),
+}
+
+
+@pytest.mark.parametrize("op", ["cond", "switch"])
+@pytest.mark.parametrize("transform", list(_TRANSFORMS))
+def test_mismatch_reported_inside_torch_func_as_outside(op: str, transform: str) -> None:
+    with pytest.raises(hop.errors.OutputMismatchError, match=r"dtype float32 vs float64"):
+        _TRANSFORMS[transform](_mismatched(op), torch.randn(3))
+
+
+@pytest.mark.parametrize("transform", list(_TRANSFORMS))
+def test_validation_under_torch_func_is_invisible(transform: str) -> None:
+    runs: list[str] = []
+    w = torch.randn(3)
+    batched = torch.randn(2, 3)
+
+    def t(a: torch.Tensor) -> torch.Tensor:
+        runs.append(type(a).__name__)
+        return (a * w).sin().sum()
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        runs.append(type(a).__name__)
+        return (a * w).cos().sum()
+
+    x = torch.randn(3)
+    got = _TRANSFORMS[transform](lambda v: hop.cond(torch.tensor(False), t, f, (v,)), x)
+    assert runs[:2] == ["FakeTensor", "FakeTensor"] and "FakeTensor" not in runs[2:]
+    hop.config.validate = "never"
+    want = _TRANSFORMS[transform](lambda v: (v * w).cos().sum(), x)
+    torch.testing.assert_close(got, want)
+    # a closed-over tensor batched by an outer vmap: its logical rank is checked
+    out = torch.vmap(lambda v, y: hop.cond(torch.tensor(True), lambda a: a @ y, lambda a: (a * y).sum(), (v,)))(
+        batched, batched
+    )
+    torch.testing.assert_close(out, (batched * batched).sum(1))
+
+
+def test_hessian_through_a_validated_cond() -> None:
+    x = torch.randn(3)
+    h = torch.func.hessian(lambda v: hop.cond(torch.tensor(True), lambda a: a.pow(3).sum(), lambda a: a.sum(), (v,)))
+    torch.testing.assert_close(h(x), torch.diag(6 * x))

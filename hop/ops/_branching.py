@@ -160,10 +160,27 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
             check_new_kind(b, key, branches, operands, k, out)
         out = no_alias_tree(out, leaves)
         return zero_untaken(out, branches, leaves) if _grad_enabled() else out
+    key = _validate_under_transform(b, sel, branches, operands, leaves, in_spec)
     flat, outputs = flat_branches(b, branches, in_spec)
     out = as_tuple(b.call(sel, flat, leaves))
     assert outputs.spec is not None  # a branch ran (traced or fake)
-    return _subgraph.unflatten(list(out[: outputs.spec.num_leaves]), outputs.spec)
+    result = _subgraph.unflatten(list(out[: outputs.spec.num_leaves]), outputs.spec)
+    if key is not None and not validation.known_kind(key, result):
+        check_new_kind(b, key, branches, operands, b.index(sel, len(branches)), result)
+    return result
+
+
+def _validate_under_transform(
+    b: Branching, sel: Any, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any
+) -> Any:
+    """Note [validation under torch.func]: a concrete selector under functorch
+    transforms (nothing tracing) is validated as in plain eager; the verdict's key,
+    or None when nothing was validated."""
+    if _transforms.functorch_level() is None or not _transforms.is_concrete(sel) or not _transforms.no_modes():
+        return None
+    if not all(map(_transforms.is_real, leaves)):
+        return None
+    return _validate(b, branches, operands, leaves, spec, b.index(sel, len(branches)))
 
 
 MISS = object()
