@@ -55,6 +55,10 @@ class NotValidatable(Exception):
     modules with forward hooks: Note [module hooks do not see validation])."""
 
 
+class HookedModule(NotValidatable):
+    """A fake run would call a module with forward hooks (Note [module hooks do not see validation])."""
+
+
 # Errors that mean "this callable cannot run on fake tensors", not "it is wrong".
 CANNOT_FAKE = (
     NotValidatable,
@@ -415,17 +419,19 @@ class _FakeClosures(torch.overrides.TorchFunctionMode):
 #   defaults, globals it names, bound ``self``, partials, containers and module
 #   trees) or any global always-call hook is not run on fake tensors at all
 #   (:func:`check_hooks`).
-# Backward hooks are left alone: a fake run never runs a backward.
+# Backward hooks are left alone: a fake run never runs a backward. A scan or map
+# over a length-0 dimension learns its outputs' sizes from a fake run alone: with
+# a hooked module in its function it raises (HookedModule says why).
 
 
 def check_hooks(*fns: Any) -> None:
-    """Raise NotValidatable when running ``fns`` on fake tensors could fire a forward
+    """Raise HookedModule when running ``fns`` on fake tensors could fire a forward
     hook that raising cannot stop (Note [module hooks do not see validation])."""
     if nn_module._global_forward_hooks_always_called:
-        raise NotValidatable("a global forward hook is registered with always_call=True")
+        raise HookedModule("a global forward hook is registered with always_call=True")
     for m in _reached_modules(fns):
         if m._forward_hooks_always_called:
-            raise NotValidatable(f"{type(m).__name__} has a forward hook registered with always_call=True")
+            raise HookedModule(f"{type(m).__name__} has a forward hook registered with always_call=True")
 
 
 _MAX_REACH = 10_000
@@ -490,9 +496,9 @@ def _refuse_hooked(module: torch.nn.Module, args: Any) -> None:
     if not getattr(_LOCAL, "depth", 0):
         return  # another thread's module
     if module._forward_pre_hooks or module._forward_hooks:
-        raise NotValidatable(f"{type(module).__name__} has forward hooks")
+        raise HookedModule(f"{type(module).__name__} has forward hooks")
     if nn_module._global_forward_hooks or any(h is not _refuse_hooked for h in _global_pre_hooks().values()):
-        raise NotValidatable("global module forward hooks are registered")
+        raise HookedModule("global module forward hooks are registered")
 
 
 def _global_pre_hooks() -> Any:

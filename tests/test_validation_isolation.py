@@ -411,3 +411,16 @@ def test_hessian_through_a_validated_cond() -> None:
     x = torch.randn(3)
     h = torch.func.hessian(lambda v: hop.cond(torch.tensor(True), lambda a: a.pow(3).sum(), lambda a: a.sum(), (v,)))
     torch.testing.assert_close(h(x), torch.diag(6 * x))
+
+
+@pytest.mark.parametrize("op", ["scan", "map"])
+def test_empty_loop_over_a_hooked_module_raises_instead_of_firing_hooks(op: str) -> None:
+    seen: list[str] = []
+    lin = _hooked_linear(seen)
+    call = {
+        "scan": lambda: hop.scan(lambda c, x: (lin(c), c), torch.zeros(4), torch.ones(0, 4)),
+        "map": lambda: hop.map(lambda x: lin(x), torch.ones(0, 4)),
+    }[op]
+    with pytest.raises(hop.errors.HopRuntimeError, match=r"xs has length 0.*Linear has forward hooks.*avoid calling"):
+        call()
+    assert seen == []
