@@ -180,6 +180,9 @@ def _validate_under_transform(
         return None
     if not all(map(_transforms.is_real, leaves)):
         return None
+    key = validation.signature(b.name, branches, operands, leaves, spec)
+    if validation.is_known(key):  # before reading sel: a read under a transform is slow
+        return None if config.validate == "never" else key
     return _validate(b, branches, operands, leaves, spec, b.index(sel, len(branches)))
 
 
