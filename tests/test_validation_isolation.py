@@ -424,3 +424,11 @@ def test_empty_loop_over_a_hooked_module_raises_instead_of_firing_hooks(op: str)
     with pytest.raises(hop.errors.HopRuntimeError, match=r"xs has length 0.*Linear has forward hooks.*avoid calling"):
         call()
     assert seen == []
+
+
+def test_hooked_modules_as_branches() -> None:
+    seen: list[str] = []
+    a, b = _hooked_linear(seen), _hooked_linear(seen)
+    out = hop.cond(torch.tensor(False), a, b, (torch.ones(2, 4),))
+    assert seen == ["pre", "post"]
+    torch.testing.assert_close(out, b(torch.ones(2, 4)))
