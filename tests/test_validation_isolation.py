@@ -176,6 +176,7 @@ def test_nothing_leaks_after_validation() -> None:
     assert torch.is_autocast_cache_enabled()
     assert torch._C._get_tracing_state() is None
     assert getattr(_validation._LOCAL, "depth", 0) == 0
+    assert not torch.nn.modules.module._global_forward_pre_hooks
 
 
 # --- module hooks: Note [module hooks do not see validation] ----------------------------------
@@ -286,6 +287,7 @@ def test_hooked_branch_is_checked_by_its_real_call() -> None:
     with pytest.raises(hop.errors.OutputMismatchError, match=r"true_fn .*could not be checked ahead of time.*hooks"):
         hop.cond(torch.tensor(True), lambda v: lin(v).double(), lambda v: v, (torch.randn(2, 4),))
     assert seen == ["pre", "post"]
+    assert not torch.nn.modules.module._global_forward_pre_hooks  # hop's own is gone, after an error too
 
 
 def test_dtype_changing_hook_is_no_false_mismatch() -> None:
