@@ -160,10 +160,30 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
             check_new_kind(b, key, branches, operands, k, out)
         out = no_alias_tree(out, leaves)
         return zero_untaken(out, branches, leaves) if _grad_enabled() else out
+    key = _validate_under_transform(b, sel, branches, operands, leaves, in_spec)
     flat, outputs = flat_branches(b, branches, in_spec)
     out = as_tuple(b.call(sel, flat, leaves))
     assert outputs.spec is not None  # a branch ran (traced or fake)
-    return _subgraph.unflatten(list(out[: outputs.spec.num_leaves]), outputs.spec)
+    result = _subgraph.unflatten(list(out[: outputs.spec.num_leaves]), outputs.spec)
+    if key is not None and not validation.known_kind(key, result):
+        check_new_kind(b, key, branches, operands, b.index(sel, len(branches)), result)
+    return result
+
+
+def _validate_under_transform(
+    b: Branching, sel: Any, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any
+) -> Any:
+    """Note [validation under torch.func]: a concrete selector under functorch
+    transforms (nothing tracing) is validated as in plain eager; the verdict's key,
+    or None when nothing was validated."""
+    if _transforms.functorch_level() is None or not _transforms.is_concrete(sel) or not _transforms.no_modes():
+        return None
+    if not all(map(_transforms.is_real, leaves)):
+        return None
+    key = validation.signature(b.name, branches, operands, leaves, spec)
+    if validation.is_known(key):  # before reading sel: a read under a transform is slow
+        return None if config.validate == "never" else key
+    return _validate(b, branches, operands, leaves, spec, b.index(sel, len(branches)))
 
 
 MISS = object()
@@ -355,12 +375,15 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
         return None if config.validate == "never" else key
     flat, outputs = flat_branches(b, branches, spec)
     roles = b.roles(len(branches))
+    unchecked: dict[int, str] = {}
     with validation.fake_inputs(leaves) as fake:
         for k in [taken] + [i for i in range(len(flat)) if i != taken]:
             try:
+                validation.check_hooks(branches[k])
                 flat[k](*fake)
-            except validation.CANNOT_FAKE:
-                continue  # data-dependent: cannot be checked ahead of time
+            except validation.CANNOT_FAKE as e:
+                unchecked[k] = f"{type(e).__name__}: {e}"
+                continue  # data-dependent, or hooked modules: checked by its real call
             except HopTypeError:
                 raise
             except Exception as e:
@@ -376,6 +399,7 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
                     role=roles[k],
                 ) from e
     validation.remember(key, outputs.kind)
+    validation.remember_unchecked(key, unchecked)
     return key
 
 
@@ -392,6 +416,9 @@ def check_new_kind(b: Branching, key: Any, branches: Sequence[Fn], operands: Seq
         return
     role = b.roles(len(branches))[k]
     expected = next(iter(validation._VERDICTS.get(key) or {None}))
+    why = validation._UNCHECKED.get(key, {}).get(k)
+    if why is not None:
+        raise _unchecked_mismatch(b, branches, k, out, expected, why)
     raise OutputMismatchError(
         format_message(
             b.name,
@@ -399,6 +426,23 @@ def check_new_kind(b: Branching, key: Any, branches: Sequence[Fn], operands: Seq
             f"fake tensors it returns {validation.describe_kind(expected, kind=True)}: its output depends on "
             "something that is neither its code, its closure nor its operands",
             fix=f"Make {role} return the same kind of value whatever it reads from outside (defaults, globals).",
+        ),
+        op=b.name,
+        role=role,
+    )
+
+
+def _unchecked_mismatch(b: Branching, branches: Sequence[Fn], k: int, out: Any, expected: Any, why: str) -> Exception:
+    """The error for a branch no fake run could check whose real output differs from
+    what the other branches were checked to return."""
+    role = b.roles(len(branches))[k]
+    return OutputMismatchError(
+        format_message(
+            b.name,
+            f"{role} ({_subgraph.describe_fn(branches[k])}) returned {validation.describe_kind(out)}, but the other "
+            f"branches, checked on fake tensors, return {validation.describe_kind(expected, kind=True)} ({role} "
+            f"itself could not be checked ahead of time: {why})",
+            fix="Make every branch return the same structure, dtypes, devices and ranks.",
         ),
         op=b.name,
         role=role,

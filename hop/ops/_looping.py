@@ -350,18 +350,30 @@ def on_fake(L: Looping, fn: Fn, leaves: Sequence[Any], make: Callable[[list[Any]
     """``make(fake leaves)`` on static fake copies of ``leaves``: the output metadata of an empty loop."""
     with _validation.fake_inputs(leaves) as fake:
         try:
+            _validation.check_hooks(fn)
             return make(fake)
         except _validation.CANNOT_FAKE as e:
-            raise HopRuntimeError(
-                format_message(
-                    L.name,
-                    f"xs has length 0, and the shapes of the outputs cannot be found without running "
-                    f"{L.role} ({_subgraph.describe_fn(fn)}), which fails on fake tensors: {type(e).__name__}",
-                    fix="Scan over a non-empty dimension, or avoid data-dependent shapes in the function.",
-                ),
-                op=L.name,
-                role=L.role,
-            ) from e
+            raise _no_empty_metadata(L, fn, e) from e
+
+
+def _no_empty_metadata(L: Looping, fn: Fn, e: Exception) -> HopRuntimeError:
+    """The error for an empty loop whose function cannot run on fake tensors."""
+    hooked = isinstance(e, _validation.HookedModule)  # Note [module hooks do not see validation]
+    why = f"{type(e).__name__} ({e})" if hooked else type(e).__name__
+    avoid = "calling modules with forward hooks" if hooked else "data-dependent shapes"
+    return _empty_loop_error(
+        L,
+        f"the shapes of the outputs cannot be found without running {L.role} ({_subgraph.describe_fn(fn)}), "
+        f"which fails on fake tensors: {why}",
+        f"Scan over a non-empty dimension, or avoid {avoid} in the function.",
+    )
+
+
+def _empty_loop_error(L: Looping, what: str, fix: str, path: str | None = None) -> HopRuntimeError:
+    """``xs has length 0, and <what>``: the outputs of an empty loop cannot be built."""
+    return HopRuntimeError(
+        format_message(L.name, f"xs has length 0, and {what}", fix=fix), op=L.name, role=L.role, path=path
+    )
 
 
 # --- rules -------------------------------------------------------------------------------------
@@ -443,16 +455,12 @@ def check_static(L: Looping, fn: Fn, ys: Sequence[Any], paths: Sequence[str]) ->
     depend on data, since no step gives them (and torch.empty cannot take a symbol)."""
     for path, y in zip(paths, ys, strict=True):
         if not all(type(s) is int for s in y.shape):
-            raise HopRuntimeError(
-                format_message(
-                    L.name,
-                    f"xs has length 0, and {L.role} ({_subgraph.describe_fn(fn)}) returns {path} of a "
-                    f"data-dependent shape {tuple(y.shape)}: the shape of the empty output cannot be known",
-                    fix=f"Loop over a non-empty dimension, or make the shapes of {L.role}'s outputs data-independent.",
-                ),
-                op=L.name,
-                role=L.role,
-                path=path,
+            raise _empty_loop_error(
+                L,
+                f"{L.role} ({_subgraph.describe_fn(fn)}) returns {path} of a data-dependent shape "
+                f"{tuple(y.shape)}: the shape of the empty output cannot be known",
+                f"Loop over a non-empty dimension, or make the shapes of {L.role}'s outputs data-independent.",
+                path,
             )
 
 

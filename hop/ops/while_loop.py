@@ -185,6 +185,7 @@ def _validate(flat_cond: Fn, flat_body: Fn, leaves: list[Any], fns: tuple[Fn, Fn
     """One iteration on fake tensors: cond returns one bool, body keeps the carry's kind."""
     with validation.fake_inputs(leaves) as fake:
         try:
+            validation.check_hooks(*fns)
             _truth(flat_cond(*fake), fns[0])
             flat_body(*fake)
         except validation.CANNOT_FAKE:
