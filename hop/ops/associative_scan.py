@@ -170,13 +170,17 @@ def associative_scan_autograd(
     combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
 ) -> Any:
     """Real tensors: autograd records the algorithm's own ops (Note [parallel prefix]).
-    Traced ones: one node, differentiated as the sequential scan it equals."""
+    Traced ones: one node, differentiated as the sequential scan it equals; what
+    ``combine_fn`` closes over and needs grad for becomes additional inputs of the
+    node (Note [closure conversion] in hop._subgraph: a node differentiates its inputs only)."""
     n = xs[0].shape[0]
     if type(n) is int and n == 0:  # an empty scan is its input, under every transform
         return lp.pack([x.clone() for x in xs])
     if lp.runs_inline(n, xs, additional_inputs):
         return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
-    return _Function.apply(combine_fn, combine_mode, len(xs), *xs, *additional_inputs)  # type: ignore[no-untyped-call]
+    (combine_fn,), captured = _subgraph.convert_closures([combine_fn], [*xs, *additional_inputs])
+    args = (*xs, *additional_inputs, *captured)
+    return _Function.apply(combine_fn, combine_mode, len(xs), *args)  # type: ignore[no-untyped-call]
 
 
 @associative_scan_op.py_impl(TransformType.Grad)

@@ -124,14 +124,11 @@ CLOSURES: dict[str, Fn] = {
     "cond": lambda xs, w: hop.cond(xs.sum() > 0, lambda a: a * w, lambda a: a + w, (xs,)),
     "switch": lambda xs, w: hop.switch(1, [lambda a: a * w, lambda a: a + w * 2], (xs,)),
     "fori_loop": lambda xs, w: hop.fori_loop(0, 3, lambda i, v: v * w, xs),
-    "associative_scan": lambda xs, w: hop.associative_scan(lambda a, b: a * w + b, xs, 0),
+    "associative_scan": lambda xs, w: hop.associative_scan(lambda a, b: a * b * w, xs, 0),  # associative in a, b
 }
-NOT_YET = pytest.mark.xfail(
-    strict=True, reason="associative_scan's autograd rule does not make closed-over tensors inputs of its node"
-)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=NOT_YET) if n == "associative_scan" else n for n in CLOSURES])
+@pytest.mark.parametrize("name", list(CLOSURES))
 def test_gradient_of_a_closed_over_tensor_under_cpp_functionalization(name: str) -> None:
     program = CLOSURES[name]
 
