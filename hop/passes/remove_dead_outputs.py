@@ -20,16 +20,7 @@ def remove_dead_outputs(program: Program) -> Program:
     A node whose dropped outputs bind data-dependent sizes is left alone (the symbols
     would lose their binding).
     """
-
-    def prune(gm: torch.fx.GraphModule, top: bool) -> bool:
-        changed = False
-        for node in _program.branching_nodes(gm):
-            changed |= _prune(gm, node)
-        if changed:
-            _program.eliminate_dead_code(gm)
-        return changed
-
-    return _program.apply(program, prune)
+    return _program.rewrite_nodes(program, _program.BRANCHING, _prune)
 
 
 def _prune(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

@@ -2,53 +2,22 @@
 
 from __future__ import annotations
 
-import io
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
+from passes_helpers import agree, codes, count, hop_nodes, inputs, saved_and_loaded, work
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hop
-from hop.passes import fold_constant_selectors, optimize, remove_dead_outputs
+from hop.passes import PASSES, fold_constant_selectors, optimize, remove_dead_outputs
+from hop.testing import check
 from hop.testing import strategies as st
 
 MODES = ["real", "fake", "symbolic"]
-
-
-def hop_nodes(gm: torch.fx.GraphModule) -> list[str]:
-    """The hop operators of every graph, nested ones included, by name."""
-    return sorted(
-        n.target.name()
-        for m in gm.modules()
-        if isinstance(m, torch.fx.GraphModule)
-        for n in m.graph.nodes
-        if n.op == "call_function" and isinstance(n.target, hop.HigherOrderOperator)
-    )
-
-
-def count(gm: torch.fx.GraphModule) -> int:
-    """Nodes of every graph, nested ones included."""
-    return sum(len(m.graph.nodes) for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
-
-
-def codes(gm: torch.fx.GraphModule) -> list[str]:
-    return [m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
-
-
-def agree(before: Callable[..., Any], after: Callable[..., Any], inputs: list[tuple[torch.Tensor, ...]]) -> None:
-    for args in inputs:
-        torch.testing.assert_close(after(*args), before(*args))
-
-
-def inputs(n: int = 3) -> list[tuple[torch.Tensor, ...]]:
-    """Inputs that take either side of a ``x.sum() > 0`` branch, some with another size."""
-    torch.manual_seed(0)
-    return [(torch.randn(n),), (torch.rand(n) + 0.1,), (-torch.rand(n) - 0.1,), (torch.randn(n + 2),)]
 
 
 def constant_selectors(x: torch.Tensor) -> torch.Tensor:
@@ -272,10 +241,7 @@ def test_passes_on_an_exported_program() -> None:
     assert count(opt.graph_module) < count(ep.graph_module)
     with torch.no_grad():
         agree(ep.module(), opt.module(), [(x,), (-x,), (torch.randn(6, 8),)])
-        buffer = io.BytesIO()
-        torch.export.save(opt, buffer)
-        buffer.seek(0)
-        agree(ep.module(), torch.export.load(buffer).module(), [(x,), (-x,)])
+        agree(ep.module(), saved_and_loaded(opt).module(), [(x,), (-x,)])
         agree(ep.module(), opt.run_decompositions().module(), [(x,), (-x,)])
     for each in (fold_constant_selectors, remove_dead_outputs):
         assert count(each(ep).graph_module) < count(ep.graph_module)
@@ -325,10 +291,37 @@ def test_optimize_agrees_on_random_programs(case: st.Case, picks: list[int]) -> 
     constant = _constant_selectors(make_fx(fn, tracing_mode="fake")(*case.args), picks)
     for program in (gm, constant):
         opt = optimize(program)
-        assert count(opt) <= count(program)
+        assert work(opt) <= work(program)  # hoisting adds placeholders, never computations
         foldable = program is constant and any(
             n.target in (torch.ops.hop.cond, torch.ops.hop.switch) and not n.meta.get("unbacked_bindings")
             for n in program.graph.nodes
         )
         assert count(opt) < count(program) or not foldable
-        agree(program, opt, [case.args, tuple(-a for a in case.args), tuple(a * 0.5 + 1 for a in case.args)])
+        perturbed = [case.args, tuple(-a for a in case.args), tuple(a * 0.5 + 1 for a in case.args)]
+        agree(program, opt, perturbed)
+        for each in PASSES:  # each alone, too: a pass must not rely on another running first
+            agree(program, each(program), perturbed[:2])
+
+
+def _has_asserts(gm: torch.fx.GraphModule) -> bool:
+    return any(n.target is torch.ops.aten._assert_async.msg for m in gm.modules() for n in m.graph.nodes)
+
+
+@settings(
+    max_examples=max(1, settings.default.max_examples // 3), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    st.cases(ops=("cond", "switch", "while_loop", "map", "scan"), depth=2, min_rank=1),
+    hs.lists(hs.integers(0, 5), min_size=4, max_size=4),
+    hs.sampled_from([*PASSES, optimize]),
+)
+def test_passes_agree_under_every_transform(case: st.Case, picks: list[int], graph_pass: Any) -> None:
+    """hop.testing.check with the program before the pass as the oracle: the program after
+    it agrees in eager, under autograd, jvp, vmap, fake tensors, make_fx and torch.export."""
+    fn = case.program.compile()
+    program = _constant_selectors(make_fx(fn, tracing_mode="fake")(*case.args), picks)
+    skip = dict(case.skips())
+    if _has_asserts(program):  # a switch's range assert: torch has no batching rule for it
+        skip["vmap"] = "aten._assert_async has no batching rule"
+    report = check(graph_pass(program), *case.args, reference=program, skip=skip)
+    assert {"eager", "autograd", "make_fx_symbolic", "export"} <= set(report.ran)
