@@ -7,6 +7,8 @@ one subgraph attribute in the original; an edit must not leak into the other).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,9 +47,24 @@ def apply(program: Program, graph_pass: GraphPass, *, nested: bool = True) -> Pr
         gm = copy_graph_module(program.graph_module)
         _run(gm, graph_pass, nested)
         return program._update(gm, _renamed_outputs(program.graph_signature, gm))  # type: ignore[return-value]
-    gm = copy_graph_module(program)
+    gm = program if _IN_PLACE.get() else copy_graph_module(program)
     _run(gm, graph_pass, nested)
     return gm
+
+
+# Set by in_place(): a compiler's pass hands over a graph to edit, not one to copy.
+_IN_PLACE: contextvars.ContextVar[bool] = contextvars.ContextVar("hop_passes_in_place", default=False)
+
+
+@contextlib.contextmanager
+def in_place() -> Iterator[None]:
+    """Within it, a pass applied to a GraphModule edits and returns that GraphModule
+    (its subgraphs are still replaced by edited copies, never edited where they are)."""
+    token = _IN_PLACE.set(True)
+    try:
+        yield
+    finally:
+        _IN_PLACE.reset(token)
 
 
 def _renamed_outputs(
