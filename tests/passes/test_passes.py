@@ -325,3 +325,45 @@ def test_passes_agree_under_every_transform(case: st.Case, picks: list[int], gra
         skip["vmap"] = "aten._assert_async has no batching rule"
     report = check(graph_pass(program), *case.args, reference=program, skip=skip)
     assert {"eager", "autograd", "make_fx_symbolic", "export"} <= set(report.ran)
+
+
+class Masked(torch.nn.Module):
+    """Data-dependent sizes everywhere: a masked input carried by a loop with an invariant
+    projection, a cond with a shared prefix whose output size is data-dependent, a constant switch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4) / 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        pos = x[x.sum(-1) > 0]
+        h = hop.fori_loop(0, 2, lambda i, h: h @ (self.w.t() @ self.w), pos)
+        g = hop.cond(h.sum() > 0, lambda v: v.sin()[v.sin().sum(-1) > 0], lambda v: v.sin()[:1], (h,))
+        k = hop.switch(torch.tensor(1), [lambda v: v + 1, lambda v: v * 2], (g,))
+        return k.sum(0), h.shape[0]
+
+
+def _free_unbacked(gm: torch.fx.GraphModule) -> set[Any]:
+    symbols: set[Any] = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            symbols |= {s for d in val.shape if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
+    return {s for s in symbols if str(s).startswith("u")}
+
+
+def test_optimize_keeps_unbacked_sizes_bound_and_asserts() -> None:
+    model = Masked()
+    ep = torch.export.export(model, (torch.randn(6, 4),), dynamic_shapes=({0: torch.export.Dim("n")},))
+    opt = optimize(ep)
+    gm = opt.graph_module
+    assert hop_nodes(gm) == ["cond", "while_loop"]  # the switch folded
+    (loop,) = [n for n in gm.graph.nodes if n.target is torch.ops.hop.while_loop]
+    assert "aten.matmul" in gm.code and getattr(gm, loop.args[1].target).code.count("aten.matmul") == 1
+    bound = {s for n in gm.graph.nodes for s in (n.meta.get("unbacked_bindings") or {})}
+    assert _free_unbacked(gm) and _free_unbacked(gm) <= bound, "a data-dependent size lost the node that binds it"
+    assert "hop.cond: output.size(0) must be >= 0" in gm.code  # the cond's range asserts stay
+    cases = [(torch.randn(6, 4),), (torch.randn(9, 4),), (-torch.rand(3, 4),)]
+    with torch.no_grad():
+        agree(model, opt.module(), cases)
+        agree(model, saved_and_loaded(opt).module(), cases)
