@@ -367,3 +367,46 @@ def test_optimize_keeps_unbacked_sizes_bound_and_asserts() -> None:
     with torch.no_grad():
         agree(model, opt.module(), cases)
         agree(model, saved_and_loaded(opt).module(), cases)
+
+
+def dead_loop_outputs(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Carry b of the while_loop feeds only itself; carry a is not read after the loop but
+    feeds c. The scan's second carry and first ys, the map's first output: never read."""
+    _, _, _, c = hop.while_loop(
+        lambda i, a, b, c: i < 3, lambda i, a, b, c: (i + 1, a * 2, b @ w, c + a.sum()), (0, x, x, x)
+    )
+    carry, ys = hop.scan(lambda c, r: ((c[0] + r, c[1] * r), (r.sin(), (c[0] * r).cos())), (x[0], x[0]), x)
+    _, m = hop.map(lambda r: (r.exp(), r.tanh()), x)
+    return c, carry[0], ys[1], m
+
+
+@pytest.mark.parametrize("mode", ["fake", "symbolic"])
+def test_remove_dead_outputs_of_loops(mode: str) -> None:
+    x, w = torch.randn(3, 3), torch.randn(3, 3)
+    gm = make_fx(dead_loop_outputs, tracing_mode=mode)(x, w)
+    pruned = remove_dead_outputs(gm)
+    nodes = {n.target: n for n in pruned.graph.nodes if n.op == "call_function"}
+    loop, scan, map_ = nodes[torch.ops.hop.while_loop], nodes[torch.ops.hop.scan], nodes[torch.ops.hop.map]
+    assert len(loop.args[2]) == 3 and len(loop.meta["val"]) == 3  # the counter, a (feeds c) and c
+    assert len(scan.args[1]) == 1 and len(scan.meta["val"]) == 2  # one carry, one ys
+    assert isinstance(map_.meta["val"], torch.Tensor)  # one output left: hop's single-value layout
+    body_code = "".join(codes(pruned)[1:])
+    assert "aten.mm" not in body_code and "aten.sin" not in body_code and "aten.exp" not in body_code
+    assert "aten.cos" in body_code and "aten.tanh" in body_code
+    agree(dead_loop_outputs, pruned, [(x, w), (torch.randn(3, 3), -w)])
+    if mode == "symbolic":
+        agree(dead_loop_outputs, pruned, [(torch.randn(5, 3), w)])
+
+
+def test_remove_dead_loop_outputs_exported() -> None:
+    class Loops(torch.nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return dead_loop_outputs(x, w)
+
+    args = (torch.randn(3, 3), torch.randn(3, 3))
+    ep = torch.export.export(Loops(), args, dynamic_shapes=({0: torch.export.Dim("n")}, None))
+    opt = remove_dead_outputs(ep)
+    assert count(opt.graph_module) < count(ep.graph_module)
+    cases = [args, (torch.randn(6, 3), args[1])]
+    agree(ep.module(), opt.module(), cases)
+    agree(ep.module(), saved_and_loaded(opt).module(), cases)
