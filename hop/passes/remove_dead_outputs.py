@@ -1,5 +1,5 @@
 """remove_dead_outputs: outputs of a cond/switch/while_loop/scan/map that nothing reads
-leave the node and every subgraph."""
+leave the node and every subgraph; so do the inputs no subgraph reads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from hop.passes import _loop_outputs, _program
+from hop.passes import _loop_outputs, _program, _unread_inputs
 from hop.passes._program import Program
 
 
@@ -25,8 +25,17 @@ def remove_dead_outputs(program: Program) -> Program:
     iteration); a carry dropped from a loop leaves its initial value, its body input
     and output, and the condition's input. A node whose dropped outputs bind
     data-dependent sizes is left alone (the symbols would lose their binding).
+
+    Then the inputs no subgraph reads any more leave the node and its subgraphs: a
+    cond/switch operand (one is kept), a loop's additional input (a closed-over tensor
+    whose use was hoisted or pruned away); never a carry, nor a scan's or map's ``xs``.
     """
-    return _program.rewrite_nodes(program, (*_program.BRANCHING, *_loop_outputs.LOOPS), _prune)
+    return _program.rewrite_nodes(program, _unread_inputs.TARGETS, _prune_outputs_and_inputs)
+
+
+def _prune_outputs_and_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    pruned = _prune(gm, node)  # first: a dropped output can leave an input unread
+    return _unread_inputs.drop_unread_inputs(gm, node) or pruned
 
 
 def _prune(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

@@ -103,10 +103,12 @@ class Gated(torch.nn.Module):
 def test_exported_gated_block() -> None:
     model, x = Gated(), torch.randn(4, 8)
     ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("n")},))
-    for program in (hoist_common_branch_prefix(ep), optimize(ep)):
+    for program, operands in ((hoist_common_branch_prefix(ep), 4), (optimize(ep), 1)):
         assert isinstance(program, torch.export.ExportedProgram)
         assert "aten.linear" in program.graph_module.code
         assert "aten.linear" not in branch_code(program.graph_module)
+        (cond,) = called(program.graph_module, torch.ops.hop.cond)
+        assert len(cond.args[3]) == operands  # optimize drops x, weight and bias: only the projection is read
         cases = [(x,), (-x,), (torch.randn(6, 8),)]
         with torch.no_grad():
             agree(model, program.module(), cases)

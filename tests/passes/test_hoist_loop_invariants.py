@@ -110,9 +110,10 @@ def test_exported_decoder_loop() -> None:
     model, x = Decoder(), torch.randn(4, 8)
     steps = torch.tensor(3)
     ep = torch.export.export(model, (x, steps), dynamic_shapes=({0: torch.export.Dim("n")}, None))
-    for program in (hoist_loop_invariants(ep), optimize(ep)):
+    for program, additional in ((hoist_loop_invariants(ep), 4), (optimize(ep), 2)):
         assert isinstance(program, torch.export.ExportedProgram)
         (loop,) = called(program.graph_module, torch.ops.hop.while_loop)
+        assert len(loop.args[3]) == additional  # optimize drops w and scale: the loop reads steps and proj
         assert "aten.matmul" in program.graph_module.code
         body = getattr(program.graph_module, loop.args[1].target)  # type: ignore[union-attr]
         assert body.code.count("aten.matmul") == 1  # h @ proj, not proj's own
