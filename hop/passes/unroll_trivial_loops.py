@@ -1,5 +1,5 @@
-"""unroll_trivial_loops: a while_loop known to run zero times becomes its initial carries,
-one known to run once becomes its body."""
+"""unroll_trivial_loops: a while_loop, scan or map known to run zero times becomes its
+initial carries (and empty outputs), one known to run once becomes its body."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 def unroll_trivial_loops(program: Program) -> Program:
     """A copy of ``program`` in which a ``torch.ops.hop.while_loop`` (a ``fori_loop``
     too) whose trip count is known to be 0 or 1 is replaced: by copies of its initial
-    carries (0), or by its body inlined on them (1).
+    carries (0), or by its body inlined on them (1). So is a ``scan`` or ``map`` over
+    ``xs`` of static length 0 (copies of the initial carries, empty stacked outputs)
+    or 1 (the body on the one slice, its per-step outputs unsqueezed).
 
     The trip count is known when the condition is computed from carries whose initial
     values are constants (a ``fori_loop`` counter) and the body computes their next values
@@ -34,8 +36,8 @@ def unroll_trivial_loops(program: Program) -> Program:
 
     def unroll(gm: torch.fx.GraphModule, top: bool) -> bool:
         changed = False
-        for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.hop.while_loop]:
-            changed |= _unroll(gm, node, constants if top else {})
+        for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _UNROLL]:
+            changed |= _UNROLL[node.target](gm, node, constants if top else {})
         if changed:
             _program.eliminate_dead_code(gm)
         return changed
@@ -132,3 +134,56 @@ def _inline(
                 _program.replace_uses(copy, value)
     _, outputs = _program.output_nodes(body)
     return [env[o] if isinstance(o, torch.fx.Node) else o for o in outputs]
+
+
+def _unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: dict[str, Any]) -> bool:
+    """A scan or map over ``xs`` of static length 0 or 1, replaced by what it computes."""
+    args: tuple[Any, ...] = node.args
+    body_attr, init, xs, additional = args[:4] if node.target is torch.ops.hop.scan else (args[0], (), *args[1:])
+    vals: list[Any] = list(node.meta["val"]) if _tuple_valued(node) else [node.meta.get("val")]
+    if node.meta.get("unbacked_bindings") or not xs or not all(isinstance(x, torch.fx.Node) for x in xs):
+        return False
+    if _tuple_valued(node) and any(u.target is not operator.getitem for u in node.users):
+        return False
+    length = xs[0].meta["val"].shape[0]
+    if length == 0:
+        ys = vals[len(init) :]
+        if not all(isinstance(y, torch.Tensor) and all(isinstance(d, int) for d in y.shape) for y in ys):
+            return False  # an empty output of symbolic shape: no constant shape to build it with
+        results = [_copy(gm, node, c) for c in init] + [_empty(gm, node, y) for y in ys]
+    elif length == 1:
+        body = _program.subgraph(gm, body_attr)
+        if not _inlinable(body, {}, {}):
+            return False
+        slices = [_call(gm, node, torch.ops.aten.select.int, x, 0, 0) for x in xs]
+        inputs = [*init, *slices, *additional]
+        inlined = _inline(gm, node, body, inputs, {}, {})
+        if inlined is None:
+            return False
+        final = [_copy(gm, node, r) if r in inputs else r for r in inlined[: len(init)]]
+        results = final + [_call(gm, node, torch.ops.aten.unsqueeze.default, y, 0) for y in inlined[len(init) :]]
+    else:
+        return False  # a longer or symbolic length: a real loop
+    _program.replace_results(node, results, tuple_valued=_tuple_valued(node))
+    return True
+
+
+def _call(gm: torch.fx.GraphModule, node: torch.fx.Node, op: Any, value: torch.fx.Node, *args: Any) -> torch.fx.Node:
+    """``op(value, *args)`` before ``node``, with its metadata."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(op, (value, *args))
+    new.meta["val"] = op(value.meta["val"], *args)
+    return new
+
+
+def _empty(gm: torch.fx.GraphModule, node: torch.fx.Node, like: torch.Tensor) -> torch.fx.Node:
+    """A new empty tensor of ``like``'s (static, zero-length) shape and dtype, before ``node``."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(
+            torch.ops.aten.empty.memory_format, (list(like.shape),), {"dtype": like.dtype, "device": like.device}
+        )
+    new.meta["val"] = like
+    return new
+
+
+_UNROLL = {torch.ops.hop.while_loop: _unroll, torch.ops.hop.scan: _unroll_scan, torch.ops.hop.map: _unroll_scan}

@@ -93,3 +93,43 @@ def test_exported_refinement_loop() -> None:
             agree(model, saved_and_loaded(program).module(), cases)
             agree(model, program.run_decompositions().module(), cases[:1])
     assert "_assert_scalar" not in optimize(ep).graph_module.code
+
+
+def scans(x: torch.Tensor, empty: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A scan and a map over one slice, and over none."""
+    c, ys = hop.scan(lambda c, r: (c + r, (c * r).sin()), x[0], x[:1])
+    m = hop.map(lambda r: (r.exp(), r * 2), x[:1])
+    c0, y0 = hop.scan(lambda c, r: (c + r, (c * r).sin()), x[0], empty)
+    return c, ys, *m, c0, y0, hop.map(lambda r: r.cos(), empty)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_scans_and_maps_of_length_zero_and_one(mode: str) -> None:
+    args = (torch.randn(3, 2), torch.randn(0, 2))
+    gm = make_fx(scans, tracing_mode=mode)(*args)
+    unrolled = unroll_trivial_loops(gm)
+    assert hop_nodes(gm) == ["map", "map", "scan", "scan"] and hop_nodes(unrolled) == []
+    assert "aten.cos" not in unrolled.code and "aten.empty" in unrolled.code  # zero slices: never run
+    assert unrolled.code.count("aten.unsqueeze") == 3  # one slice: its per-step outputs, stacked
+    agree(scans, unrolled, [args, (torch.randn(3, 2), torch.randn(0, 2))])
+
+
+def test_symbolic_lengths_stay() -> None:
+    """``x[:1]`` has length 1 whatever x's size; ``empty``'s length is a symbol: kept."""
+    gm = make_fx(scans, tracing_mode="symbolic")(torch.randn(3, 2), torch.randn(0, 2))
+    unrolled = unroll_trivial_loops(gm)
+    assert hop_nodes(unrolled) == ["map", "scan"]
+    agree(scans, unrolled, [(torch.randn(4, 2), torch.randn(3, 2)), (torch.randn(2, 2), torch.randn(0, 2))])
+
+
+def test_exported_scans_of_length_zero_and_one() -> None:
+    class Scans(torch.nn.Module):
+        def forward(self, x: torch.Tensor, empty: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return scans(x, empty)
+
+    args = (torch.randn(3, 2), torch.randn(0, 2))
+    ep = torch.export.export(Scans(), args)
+    opt = optimize(ep)
+    assert hop_nodes(opt.graph_module) == []
+    agree(ep.module(), opt.module(), [args])
+    agree(ep.module(), saved_and_loaded(opt).module(), [args])
