@@ -243,6 +243,8 @@ def test_passes_on_an_exported_program() -> None:
         agree(ep.module(), opt.module(), [(x,), (-x,), (torch.randn(6, 8),)])
         agree(ep.module(), saved_and_loaded(opt).module(), [(x,), (-x,)])
         agree(ep.module(), opt.run_decompositions().module(), [(x,), (-x,)])
+        again = torch.export.export(opt.module(), (x,), dynamic_shapes=({0: torch.export.Dim("n")},))
+        agree(ep.module(), again.module(), [(x,), (torch.randn(6, 8),)])  # the result exports again
     for each in (fold_constant_selectors, remove_dead_outputs):
         assert count(each(ep).graph_module) < count(ep.graph_module)
 
