@@ -18,6 +18,7 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
+from hop.errors import HopTypeError, format_message, type_name
 from hop.passes import _constants
 
 Program = TypeVar("Program", torch.fx.GraphModule, torch.export.ExportedProgram)
@@ -43,6 +44,7 @@ def apply(program: Program, graph_pass: GraphPass, *, nested: bool = True) -> Pr
     placeholders or outputs of the top-level graph; an output may become another node
     (a loop replaced by its body's result), whose name the signature then gives.
     """
+    check_program(program)
     if isinstance(program, torch.export.ExportedProgram):
         gm = copy_graph_module(program.graph_module)
         _run(gm, graph_pass, nested)
@@ -50,6 +52,19 @@ def apply(program: Program, graph_pass: GraphPass, *, nested: bool = True) -> Pr
     gm = program if _IN_PLACE.get() else copy_graph_module(program)
     _run(gm, graph_pass, nested)
     return gm
+
+
+def check_program(program: object) -> None:
+    """Raise :class:`hop.errors.HopTypeError` unless ``program`` is one a pass takes."""
+    if not isinstance(program, (torch.fx.GraphModule, torch.export.ExportedProgram)):
+        raise HopTypeError(
+            format_message(
+                "passes",
+                f"a pass takes a torch.fx.GraphModule or a torch.export.ExportedProgram, got {type_name(program)}",
+                fix="Trace the function first: make_fx(fn)(*args) or torch.export.export(module, args).",
+            ),
+            op="passes",
+        )
 
 
 # Set by in_place(): a compiler's pass hands over a graph to edit, not one to copy.

@@ -412,3 +412,12 @@ def test_remove_dead_loop_outputs_exported() -> None:
     cases = [args, (torch.randn(6, 3), args[1])]
     agree(ep.module(), opt.module(), cases)
     agree(ep.module(), saved_and_loaded(opt).module(), cases)
+
+
+def test_misuse_raises_hop_errors() -> None:
+    for each in (*PASSES, optimize):
+        with pytest.raises(hop.errors.HopTypeError, match=r"takes a torch\.fx\.GraphModule or a torch\.export"):
+            each(lambda x: x)  # type: ignore[type-var]
+    gm = make_fx(lambda x: x.sin())(torch.randn(2))
+    with pytest.raises(hop.errors.HopValueError, match="max_rounds must be a positive int"):
+        optimize(gm, max_rounds=0)
