@@ -7,7 +7,18 @@ imports this package.
 """
 
 from hop.passes.fold_constant_selectors import fold_constant_selectors
-from hop.passes.optimize import optimize
+from hop.passes.hoist_common_branch_prefix import hoist_common_branch_prefix
+from hop.passes.hoist_loop_invariants import hoist_loop_invariants
+from hop.passes.optimize import PASSES, optimize
 from hop.passes.remove_dead_outputs import remove_dead_outputs
+from hop.passes.unroll_trivial_loops import unroll_trivial_loops
 
-__all__ = ["fold_constant_selectors", "optimize", "remove_dead_outputs"]
+__all__ = [
+    "PASSES",
+    "fold_constant_selectors",
+    "hoist_common_branch_prefix",
+    "hoist_loop_invariants",
+    "optimize",
+    "remove_dead_outputs",
+    "unroll_trivial_loops",
+]
