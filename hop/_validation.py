@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
-from hop import _subgraph, config
+from hop import _observe, _subgraph, config
 from hop.errors import HopValueError, format_message
 
 __all__ = [
@@ -59,6 +59,7 @@ CANNOT_FAKE = (
 )
 
 _VERDICTS: dict[Any, set[Any]] = {}
+_SINKS = _observe.SINKS
 
 
 def value_key(v: Any) -> Any:
@@ -135,7 +136,10 @@ def is_known(key: Any) -> bool:
         raise HopValueError(
             format_message("config", f'validate must be "once", "always" or "never", got {mode!r}'), role="validate"
         )
-    return mode == "never" or (mode == "once" and key in _VERDICTS)
+    known = mode == "never" or (mode == "once" and key in _VERDICTS)
+    if known and _SINKS:
+        _observe.validation_cached(off=mode == "never")
+    return known
 
 
 def remember(key: Any, kind: Any = None) -> None:
@@ -144,6 +148,7 @@ def remember(key: Any, kind: Any = None) -> None:
     if len(_VERDICTS) >= config.validation_cache_size:
         _VERDICTS.clear()
     _VERDICTS[key] = set() if kind is None else {kind}
+    _observe.verdict(key, kind)
 
 
 def forget(key: Any) -> None:
@@ -219,7 +224,7 @@ def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
     the caller's world (Note [validation is invisible])."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in leaves]
-    with _isolated(), mode, _FakeClosures(mode):
+    with _observe.validation_run(), _isolated(), mode, _FakeClosures(mode):
         yield fake
 
 
