@@ -328,7 +328,16 @@ def generalize_carries(
     env = shape_env
 
     def make(k: int) -> Callable[[Any, int], Any]:
-        return lambda c, d: fresh_symint(env, *ranges[k, d], size=isinstance(c, torch.Tensor))
+        def made(c: Any, d: int) -> Any:
+            sym = fresh_symint(env, *ranges[k, d], size=isinstance(c, torch.Tensor))
+            if _observe.SINKS or _observe.structured_on():
+                from hop._observe_traced import unified
+
+                where = f"carry[{k}].size({d})" if isinstance(c, torch.Tensor) else f"carry[{k}]"
+                unified(op, (f"{where} on entry",), (_quantity(c, d),), sym, *ranges[k, d])
+            return sym
+
+        return made
 
     return tuple(_generalize(c, v, make(k)) for k, (c, v) in enumerate(zip(carried, varying, strict=True)))
 

@@ -235,6 +235,18 @@ def test_unification_and_its_runtime_asserts() -> None:
     assert asserts and all(a is not None and a.startswith("hop.cond: output.size(0) must be") for a in asserts)
 
 
+def test_a_growing_carry_is_unified_too() -> None:
+    def f(x: torch.Tensor) -> Any:
+        return hop.while_loop(lambda v: v.shape[0] < 10, lambda v: torch.cat([v, v[:1]]), (x,))
+
+    with hop.debug.trace() as t:
+        make_fx(f, tracing_mode="symbolic")(torch.randn(3))
+    (unify,) = [r for r in t if r.kind == "unify"]
+    assert unify.op == "while_loop" and unify.detail is not None
+    assert unify.detail.startswith("carry[0].size(0) on entry=s") and "-> u" in unify.detail
+    assert any(r.kind == "assert" and r.op == "while_loop" for r in t)
+
+
 # --- torch.compile ---------------------------------------------------------------------------------
 
 

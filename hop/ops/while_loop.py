@@ -233,6 +233,8 @@ def _run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[An
         carry = _contiguous(carry)
         body = body_fn
         body_fn = lambda *a: _contiguous(as_tuple(body(*a)))  # noqa: E731
+    if _SINKS:  # count the trips (under a transform, or the raw op in eager)
+        cond_fn = _observe.counted(_NAME, cond_fn)
     while True:
         pred = _truth(cond_fn(*carry, *additional))
         if type(pred) is bool or not _is_batched(pred):
