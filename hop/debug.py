@@ -35,9 +35,10 @@ class DispatchRecord:
     A record of kind ``"dispatch"`` is one routing decision of hop's dispatcher; a
     ``"call"`` record sums up one call of a public function (``hop.cond``, ...),
     eager included, and comes after the records of what ran inside it. Other kinds:
-    ``"subgraph"`` (a branch or body traced into a graph), ``"unify"`` (differing
-    sizes made one unbacked symbol), ``"assert"`` (a runtime assert put in a traced
-    program) and ``"graph-break"`` (torch.compile could not capture a call).
+    ``"subgraph"`` (a branch or body traced into a graph), ``"unify"`` (sizes that
+    differ between branches or loop iterations made one unbacked symbol),
+    ``"assert"`` (a runtime assert put in a traced program) and ``"graph-break"``
+    (torch.compile could not capture a call).
 
     Attributes:
         op: operator name (``"cond"``).
