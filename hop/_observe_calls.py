@@ -49,7 +49,7 @@ def call_record(
         kernel,
         detail,
         kind="call",
-        role=_role(frame.op, frame.branch, args),
+        role=_role(frame.op, frame.branch),
         branch=frame.branch,
         trips=frame.trips,
         length=frame.length,
@@ -61,7 +61,7 @@ def call_record(
     )
 
 
-def _role(op: str, branch: int | None, args: tuple[Any, ...]) -> str | None:
+def _role(op: str, branch: int | None) -> str | None:
     if branch is None:
         return None
     if op == "cond":
@@ -74,21 +74,19 @@ def _no_facts(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
 
 
 def _cond(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    pred = args[0]
-    if type(pred) is bool:
-        frame.detail = "a Python bool pred: the branch just runs"
-        frame.inline = True
-    if frame.branch is None:
-        frame.branch = 0 if pred else 1  # it ran in eager: pred has a value
+    _branch(frame, bool, "a Python bool pred", 0 if args[0] else 1, args[0])  # eager: pred has a value
 
 
 def _switch(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    index = args[0]
-    if type(index) is int:
-        frame.detail = "a Python int index: the branch just runs"
-        frame.inline = True
+    _branch(frame, int, "a Python int index", int(args[0]), args[0])
+
+
+def _branch(frame: Frame, python: type, what: str, k: int, selector: Any) -> None:
+    """The fast path notes nothing: the branch is the one the selector's value picks."""
+    if type(selector) is python:
+        frame.detail, frame.inline = f"{what}: the branch just runs", True
     if frame.branch is None:
-        frame.branch = int(index)
+        frame.branch = k
 
 
 def _length(xs: Any, dim: Any) -> int | None:
