@@ -213,7 +213,7 @@ def verdict(key: Any, kind: Any) -> None:
     if not structured_on():
         return
     op = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else "?"
-    us = getattr(_LOCAL, "last_validation_us", None)
+    us, _LOCAL.last_validation_us = getattr(_LOCAL, "last_validation_us", None), None
     payload = {"op": op, "verdict": "passed", "output": _kind_str(kind), "us": None if us is None else round(us)}
     artifact(f"hop_validation_{op}", payload)
 

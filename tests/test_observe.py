@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hop
 from hop import _observe
 from hop.debug import DispatchRecord
-from hop.errors import HopTypeError
+from hop.errors import HopRuntimeError, HopTypeError
 
 
 def calls(records: list[DispatchRecord], op: str | None = None) -> list[DispatchRecord]:
@@ -107,6 +107,30 @@ def test_eager_call_of_every_operator(op: str, run: Callable[[], Any], expect: d
         assert getattr(r, field) == value, (field, str(r))
     if "trips" in expect:
         assert f"{expect['trips']} trip" in str(r)
+
+
+def test_a_failing_validation_is_recorded() -> None:
+    bad = fresh("lambda a: a @ torch.ones(5, 5)")  # the untaken branch fails on these operands
+    with hop.debug.trace() as t, pytest.raises(HopRuntimeError, match="false_fn"):
+        hop.cond(torch.tensor(True), fresh("lambda a: a + 1"), bad, (torch.ones(3),))
+    (r,) = calls(t)
+    assert r.validation == "failed" and r.detail == "raised HopRuntimeError" and r.branch is None
+
+
+def test_transforms_route_and_what_ran_inline_under_them() -> None:
+    x = torch.randn(3)
+    with hop.debug.trace() as t:
+        torch.func.grad(lambda a: hop.cond(torch.tensor(False), torch.sin, torch.cos, (a,)).sum())(x)
+        torch.vmap(lambda a: hop.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, v * 2), (0, a))[1])(x[None])
+    grad, vmap = calls(t)
+    assert (grad.key, grad.route, grad.kernel, grad.branch) == (
+        "FuncTorchDynamicLayerFrontMode",
+        "transform",
+        "cond_grad",
+        1,
+    )
+    assert grad.detail is not None and grad.detail.startswith("Grad level")
+    assert (vmap.route, vmap.kernel, vmap.trips) == ("transform", "while_loop_vmap", 2)
 
 
 def test_fori_loop_with_tensor_bounds_is_a_while_loop_inside() -> None:

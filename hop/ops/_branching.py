@@ -153,7 +153,7 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
     if _transforms.is_concrete(sel) and _transforms.in_plain_eager() and all(map(_plain_leaf, leaves)):
         k = b.index(sel, len(branches))
         if _SINKS:
-            _observe.note(b.name, inline=True, branch=k)
+            _observe.note(b.name, inline=True)
         key = _validate(b, branches, operands, leaves, in_spec, k)
         out = branches[k](*operands)
         if key is not None and not validation.known_kind(key, out):
