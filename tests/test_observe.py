@@ -218,6 +218,20 @@ def test_make_fx_of_every_operator(op: str, fn: Callable[[torch.Tensor], Any], r
     assert set(roles) <= subgraph_roles, subgraph_roles
 
 
+@pytest.mark.parametrize(("op", "fn", "roles"), _traced_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_export_of_every_operator(op: str, fn: Callable[[torch.Tensor], Any], roles: tuple[str, ...]) -> None:
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            return fn(x)
+
+    with hop.debug.trace() as t:
+        torch.export.export(M(), (torch.randn(4, 3),))
+    node_op = "while_loop" if op == "fori_loop" else op
+    traced = [r for r in calls(t, node_op) if r.detail is not None and "traced" in r.detail]
+    assert traced and traced[-1].branch is None, [str(r) for r in calls(t)]
+    assert set(roles) <= {s.role for s in t if s.kind == "subgraph" and s.op == node_op}
+
+
 def test_export_records_the_call_and_its_subgraphs() -> None:
     class M(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
