@@ -85,6 +85,8 @@ def _branch(frame: Frame, python: type, what: str, k: int, selector: Any) -> Non
     """The fast path notes nothing: the branch is the one the selector's value picks."""
     if type(selector) is python:
         frame.detail, frame.inline = f"{what}: the branch just runs", True
+    elif type(selector).__module__ == "numpy":  # the call with its Python value is the record before
+        frame.detail, frame.inline = f"a numpy {type(selector).__name__}: run as a Python value", True
     if frame.branch is None:
         frame.branch = k
 

@@ -133,6 +133,20 @@ def test_transforms_route_and_what_ran_inline_under_them() -> None:
     assert (vmap.route, vmap.kernel, vmap.trips) == ("transform", "while_loop_vmap", 2)
 
 
+def test_a_numpy_bool_pred_is_run_as_a_python_bool() -> None:
+    np = pytest.importorskip("numpy")
+    with hop.debug.trace() as t:
+        hop.cond(np.bool_(False), torch.sin, torch.cos, (torch.ones(2),))
+    inner, outer = calls(t)
+    assert (inner.depth, inner.branch, inner.validation) == (1, 1, None)
+    assert (
+        outer.depth == 0
+        and outer.validation is None
+        and outer.detail is not None
+        and outer.detail.startswith("a numpy bool")
+    )
+
+
 def test_fori_loop_with_tensor_bounds_is_a_while_loop_inside() -> None:
     with hop.debug.trace() as t:
         hop.fori_loop(torch.tensor(0), torch.tensor(3), lambda i, v: v + 1, torch.zeros(2))
