@@ -1,6 +1,6 @@
 """hop: higher-order operators for PyTorch, routed by hop's own dispatcher.
 
-Public API only; see DESIGN.md and docs/ for the contract.
+Public API only; docs/ is the user guide (docs/index.md) and the framework guide (docs/writing_a_hop.md).
 """
 
 import importlib

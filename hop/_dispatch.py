@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import (
 )
 
 from hop import _observe, debug
+from hop._transforms import is_user_mode
 from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ _DEAD_WRAPPER_KEYS = (_K.FuncTorchGradWrapper, _K.FuncTorchBatched)
 _PRE_DISPATCH = _K.PreDispatch
 _FUNCTIONALIZE = _K.Functionalize
 _AUTOGRAD = _K.AutogradFunctionality
+_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(_K.Python)  # the backend keys
 
 
 # --- argument walking -----------------------------------------------------
@@ -300,7 +302,11 @@ def _python(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, An
                 result = popped.__torch_dispatch__(op, [], args, kwargs)
             if result is not NotImplemented:  # else: the tensor subclasses, as for a rule
                 return result
-        else:
+            if _runs_under_modes(args, kwargs):  # e.g. FlopCounterMode: it counts the ops inside
+                return _under_modes(op, args, kwargs, mode)
+        elif is_user_mode(mode):
+            return _past_user_mode(op, args, kwargs, mode)
+        else:  # a tracing mode other operators have a rule for
             raise _unsupported_mode(op, mode)
     seen: list[type] = []
     for t in tensors_in((args, kwargs)):
@@ -328,6 +334,49 @@ def _python(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, An
         if result is not NotImplemented:
             return result
     raise _all_not_implemented(op, mode, seen)
+
+
+def _past_user_mode(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Any) -> Any:
+    """Note [user modes] in ``hop._transforms``: with only user modes (and modes that
+    decline the op) active and real tensors, the backend kernel runs with the modes
+    still active, so they see the aten ops inside; below a tracing mode, the user mode
+    is stepped over and the op reaches the tracing mode whole."""
+    if _runs_under_modes(args, kwargs):
+        return _under_modes(op, args, kwargs, mode)
+    _record(op, _K.Python, "past user mode", None, type(mode).__name__)
+    with _pop_mode_temporarily():
+        return redispatch(op, args, kwargs)
+
+
+def _runs_under_modes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """No active mode has a hop rule (none traces) and every tensor is a plain one."""
+    from hop._transforms import is_user_mode
+
+    for i in range(_mode_stack_len()):
+        mode = torch._C._get_dispatch_stack_at(i)
+        if not is_user_mode(mode) and not getattr(mode, "supports_higher_order_operators", False):
+            return False
+    return all(type(t) in (_Tensor, torch.nn.Parameter) for t in tensors_in((args, kwargs)))
+
+
+def _under_modes(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Any) -> Any:
+    tensors = tensors_in((args, kwargs))
+    keys = DispatchKeySet(_K.CPU)
+    for t in tensors:
+        keys = keys | torch._C._dispatch_keys(t)
+    key = (keys & _BELOW_PYTHON & op.non_fallthrough_keys).highestPriorityTypeId()
+    kernel = op._hop_kernels.get(key) or _kernel(op, key)
+    _record(op, key, "kernel under user mode", kernel, type(mode).__name__)
+    if not _is_excluded(_AUTOGRAD):
+        return kernel(*args, **kwargs)
+    # The ops inside meet autograd as in a Python call (composite ops decompose there,
+    # and the mode sees aten.mm, not aten.matmul); nothing is recorded that the route
+    # below autograd would have: no input needs grad, or grad mode is off.
+    _set_excluded(_AUTOGRAD, False)
+    try:
+        return kernel(*args, **kwargs)
+    finally:
+        _set_excluded(_AUTOGRAD, True)
 
 
 def _all_not_implemented(op: HigherOrderOperator, mode: Any, seen: list[type]) -> HopRuntimeError:

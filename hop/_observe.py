@@ -37,7 +37,7 @@ Fn = Callable[..., Any]
 _LOCAL = threading.local()
 # dispatcher routes that pass a call on rather than decide it: a frame's route is
 # the first record past them
-_PASSING = ("below-autograd", "torch-function")
+_PASSING = ("below-autograd", "torch-function", "past user mode")
 
 
 @dataclasses.dataclass

@@ -92,7 +92,7 @@ def _branch(frame: Frame, python: type, what: str, k: int, selector: Any) -> Non
 
 
 def _length(xs: Any, dim: Any) -> int | None:
-    from hop.ops._looping import flatten
+    from hop.ops._looping import flatten_dropping_none as flatten
 
     leaves = [x for x in flatten(xs)[0] if isinstance(x, torch.Tensor)]
     if not leaves or type(dim) is not int or not -leaves[0].dim() <= dim < leaves[0].dim():

@@ -193,6 +193,8 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
                 )
             self._hop_kernels.clear()
             register(fn)
+            if isinstance(k, type) and issubclass(k, TorchDispatchMode):
+                _transforms.note_rule_for(k)  # Note [user modes]: a mode hop has a rule for is no user mode
             return fn
 
         return inner

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import dis
 import functools
 from collections.abc import Callable, Sequence
-from types import FunctionType, MethodType
+from types import CodeType, FunctionType, MethodType
 from typing import Any
 
 import torch
@@ -247,6 +248,24 @@ def trace_example(value: Any) -> Any:
     return torch.empty_like(value, memory_format=torch.contiguous_format)
 
 
+# The global names each code object loads, the code nested in it included (lambdas,
+# inner functions, comprehensions): read once per code object, which stays alive as
+# the key (a bounded set: the code of a program, not one entry per call).
+GLOBALS_READ: dict[CodeType, tuple[str, ...]] = {}
+
+
+def globals_read(code: CodeType) -> tuple[str, ...]:
+    """The names of the globals ``code`` and the code nested in it may read."""
+    names = GLOBALS_READ.get(code)
+    if names is None:
+        found = dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
+        for const in code.co_consts:
+            if type(const) is CodeType:
+                found.update(dict.fromkeys(globals_read(const)))
+        names = GLOBALS_READ[code] = tuple(found)
+    return names
+
+
 def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]:
     """Tensors the callables may read without receiving them: in closure cells, bound
     ``self``, referenced globals, default arguments and partial arguments, including
@@ -277,7 +296,7 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
             for cell in obj.__closure__ or ():
                 with contextlib.suppress(ValueError):  # an empty cell
                     visit(cell.cell_contents, level + 1)
-            for name in obj.__code__.co_names:
+            for name in globals_read(obj.__code__):
                 value = obj.__globals__.get(name)
                 if isinstance(value, (torch.Tensor, torch.nn.Module, FunctionType)):
                     visit(value, level + 1)

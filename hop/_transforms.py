@@ -14,6 +14,9 @@ from torch._C._functorch import maybe_current_level as _functorch_level
 __all__ = [
     "in_plain_eager",
     "no_modes",
+    "is_user_mode",
+    "only_user_modes",
+    "note_rule_for",
     "is_real",
     "is_concrete",
     "unwrap_batched",
@@ -46,8 +49,48 @@ def is_plain_tensor(x: Any) -> bool:
 
 
 def no_modes() -> bool:
-    """No dispatch mode, torch-function mode or pre-dispatch tracer is active."""
-    return not mode_stack_len() and not tf_mode_enabled() and not is_included(PRE_DISPATCH)
+    """Nothing traces: no dispatch mode but user modes (Note [user modes]), no
+    torch-function mode, no pre-dispatch tracer."""
+    return (not mode_stack_len() or only_user_modes()) and not tf_mode_enabled() and not is_included(PRE_DISPATCH)
+
+
+# Note [user modes]
+# A TorchDispatchMode that no hop operator has a rule for, and that does not set
+# ``supports_higher_order_operators``, is a user mode: one that logs, counts, caches
+# or checks aten ops (selective checkpointing's caching modes, a user's op logger).
+# hop treats a program under user modes only as plain eager: selectors are
+# concrete, the public functions validate (with the user modes out of the way, so
+# that validation stays invisible to them) and the rules run the callables inline,
+# so the modes see the aten ops of what runs, as under a Python ``if`` or loop. A
+# raw op that reaches the Python key there runs its backend kernel with the modes
+# still active (``hop._dispatch``). Below a tracing mode (fake, make_fx, export,
+# functionalization) a user mode is stepped over: the op reaches the tracing mode
+# whole, and the user mode sees nothing of what it traces.
+
+_RULE_MODE_TYPES: set[type] = set()  # mode types some hop operator has a rule for (HigherOrderOperator.py_impl)
+_USER_MODE_TYPES: dict[type, bool] = {}  # cache of is_user_mode's answer per mode type
+
+
+def note_rule_for(mode_type: type) -> None:
+    """A hop operator registered a rule for ``mode_type``: neither it nor its subclasses are user modes."""
+    _RULE_MODE_TYPES.add(mode_type)
+    _USER_MODE_TYPES.clear()
+
+
+def is_user_mode(mode: Any) -> bool:
+    """Note [user modes]: no hop operator has a rule for ``mode`` and it takes no higher-order operators."""
+    if getattr(mode, "supports_higher_order_operators", False):
+        return False
+    cls = type(mode)
+    user = _USER_MODE_TYPES.get(cls)
+    if user is None:
+        user = _USER_MODE_TYPES[cls] = not any(base in _RULE_MODE_TYPES for base in cls.__mro__)
+    return user
+
+
+def only_user_modes() -> bool:
+    """Every active dispatch mode is a user mode (Note [user modes])."""
+    return all(is_user_mode(torch._C._get_dispatch_stack_at(i)) for i in range(mode_stack_len()))
 
 
 def is_real(x: Any) -> bool:
@@ -60,10 +103,8 @@ def is_real(x: Any) -> bool:
 
 
 def in_plain_eager() -> bool:
-    """No dispatch mode, torch-function mode, pre-dispatch tracer or functorch transform is active."""
-    return (
-        not mode_stack_len() and _functorch_level() is None and not tf_mode_enabled() and not is_included(PRE_DISPATCH)
-    )
+    """No functorch transform, and nothing traces (:func:`no_modes`)."""
+    return _functorch_level() is None and no_modes()
 
 
 def is_concrete(x: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Unification of output sizes across branches and iterations (DESIGN.md section 4).
+"""Unification of output sizes across branches and iterations (docs/dynamic_shapes.md).
 
 When a hop operator's branches (or loop bodies) return outputs whose sizes
 differ, the operator's output needs one size that stands for all of them:

@@ -16,5 +16,7 @@ __all__ = ["validate", "validation_cache_size"]
 #: ``"always"`` (every call), or ``"never"``.
 validate: Literal["once", "always", "never"] = "once"
 
-#: How many signatures the "once" verdict cache remembers before it starts over.
+#: How many signatures the "once" verdict cache remembers before it starts over
+#: (a positive int; another value raises HopTypeError or HopValueError at the
+#: next validation).
 validation_cache_size: int = 1024

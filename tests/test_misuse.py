@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from torch._C import DispatchKey
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,27 +67,10 @@ def _with_config(name: str, value: Any, fn: Callable[[], Any]) -> Callable[[], A
     return run
 
 
-class _Declines(TorchDispatchMode):
-    """A user mode that receives hop's operators and returns NotImplemented for them."""
-
-    supports_higher_order_operators = True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if isinstance(func, hop.HigherOrderOperator):
-            return NotImplemented
-        return func(*args, **(kwargs or {}))
-
-
-class _Unaware(TorchDispatchMode):
-    """A user mode that knows nothing of HOPs."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        return func(*args, **(kwargs or {}))
-
-
-def _in_mode(mode: type[TorchDispatchMode], x: torch.Tensor) -> Any:
-    with mode():
-        return hop.cond(POS(x), lambda a: a + 1, lambda a: a - 1, (x,))
+def _under_fake_mode(x: torch.Tensor) -> Any:
+    # a tracing mode (other operators have rules for it) is never stepped over as a user mode is
+    with FakeTensorMode() as mode:
+        return _REGISTERING(I, mode.from_tensor(x))
 
 
 _BARE = hop.HigherOrderOperator("misuse_bare")  # no rules at all
@@ -442,13 +426,9 @@ CASES: list[Case] = [
     C("op-no-fake-rule", "f", UnsupportedModeError,
       r"^hop\.misuse_registering: the active TorchDispatchMode ProxyTorchDispatchMode has no rule",
       lambda x: _REGISTERING(I, x)),
-    C("mode-unaware", "e", UnsupportedModeError,
-      r"^hop\.cond: the active TorchDispatchMode _Unaware has no rule .*supports_higher_order_operators = True",
-      lambda x: _in_mode(_Unaware, x)),
-    C("mode-returns-not-implemented", "e", UnsupportedModeError,
-      r"^hop\.cond: the active TorchDispatchMode _Declines returned NotImplemented for this operator and no "
-      r"tensor subclass argument \(none\) handled it\. Handle it in _Declines\.__torch_dispatch__",
-      lambda x: _in_mode(_Declines, x)),
+    C("mode-tracing-without-a-rule", "e", UnsupportedModeError,
+      r"^hop\.misuse_registering: the active TorchDispatchMode FakeTensorMode has no rule for this operator",
+      lambda x: _under_fake_mode(x)),
     C("pickle-unknown-op", "e", UnknownOperatorError,
       r"^hop\.misuse_pickled: a pickled program refers to the operator torch\.ops\.hop\.misuse_pickled, "
       r"which is not defined in this process.*Import the module",

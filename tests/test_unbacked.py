@@ -1,4 +1,4 @@
-"""Data-dependent sizes across branches and loops (hop/_unbacked.py, DESIGN.md section 4)."""
+"""Data-dependent sizes across branches and loops (hop/_unbacked.py, docs/dynamic_shapes.md)."""
 
 from __future__ import annotations
 

@@ -176,3 +176,261 @@ def test_nothing_leaks_after_validation() -> None:
     assert torch.is_autocast_cache_enabled()
     assert torch._C._get_tracing_state() is None
     assert getattr(_validation._LOCAL, "depth", 0) == 0
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+# --- module hooks: Note [module hooks do not see validation] ----------------------------------
+
+
+def _hooked_linear(seen: list[str]) -> torch.nn.Linear:
+    lin = torch.nn.Linear(4, 4)
+    lin.register_forward_pre_hook(lambda m, args: seen.append("pre"))
+    lin.register_forward_hook(lambda m, args, out: seen.append("post"))
+    return lin
+
+
+@pytest.mark.parametrize("op", list(_calls(torch.nn.Identity())))
+def test_forward_hooks_fire_as_often_as_without_validation(op: str) -> None:
+    seen: list[str] = []
+    x = torch.randn(2, 4)
+    out = _calls(_hooked_linear(seen))[op](x)
+    validated = list(seen)
+    seen.clear()
+    hop.config.validate = "never"
+    want = _calls(_hooked_linear(seen))[op](x)
+    assert validated == seen and seen  # the real calls' hooks only
+    assert out.shape == want.shape and not isinstance(out, FakeTensor)
+
+
+def test_untaken_branch_module_hooks_do_not_fire() -> None:
+    seen: list[str] = []
+    a, b = _hooked_linear(seen), _hooked_linear(seen)
+    b.register_forward_pre_hook(lambda m, args: seen.append("b"))
+    hop.cond(torch.tensor(True), lambda v: a(v), lambda v: b(v), (torch.randn(2, 4),))
+    hop.switch(torch.tensor(0), [lambda v: a(v), lambda v: b(v) + 1], (torch.randn(2, 4),))
+    assert seen == ["pre", "post"] * 2
+
+
+def test_hook_state_machine_sees_only_the_real_call() -> None:
+    class Counted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.calls = 0
+            self.register_forward_pre_hook(Counted.count)
+
+        def count(self, args: Any) -> None:
+            self.calls += 1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    model = torch.nn.ModuleDict({"a": Counted(), "b": Counted()})
+    for step in range(3):
+        hop.cond(torch.tensor(step % 2 == 0), lambda v: model["a"](v), lambda v: model["b"](v) * 2, (torch.ones(4),))
+    assert (model["a"].calls, model["b"].calls) == (2, 1)
+
+
+def test_global_module_forward_hooks_see_only_real_calls() -> None:
+    seen: list[str] = []
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: seen.append("pre"))
+    post = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append("post"))
+    try:
+        a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        hop.cond(torch.tensor(False), lambda v: a(v), lambda v: b(v), (torch.randn(2, 4),))
+    finally:
+        pre.remove()
+        post.remove()
+    assert seen == ["pre", "post"]
+
+
+def test_always_call_hooks_see_only_real_calls() -> None:
+    seen: list[str] = []
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.register_forward_hook(lambda m, args, out: seen.append("b"), always_call=True)
+    hop.cond(torch.tensor(True), lambda v: a(v), lambda v: b(v), (torch.randn(2, 4),))
+    assert seen == []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append("g"), always_call=True)
+    try:
+        hop.cond(torch.tensor(True), lambda v: a(v), lambda v: v * 2, (torch.randn(2, 4),))
+    finally:
+        handle.remove()
+    assert seen == ["g"]
+
+
+def test_weight_norm_module_keeps_a_real_weight() -> None:
+    a = torch.nn.Linear(4, 4)
+    b = torch.nn.utils.weight_norm(torch.nn.Linear(4, 4))  # recomputes .weight in a forward pre-hook
+    hop.cond(torch.tensor(True), lambda v: a(v), lambda v: b(v), (torch.randn(2, 4),))
+    assert not isinstance(b.weight, FakeTensor)
+
+
+def test_parametrization_cache_holds_no_fake_weight() -> None:
+    class Symmetric(torch.nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return (w + w.T) / 2
+
+    lin = torch.nn.Linear(4, 4)
+    torch.nn.utils.parametrize.register_parametrization(lin, "weight", Symmetric())
+    x = torch.randn(2, 4)
+    with torch.nn.utils.parametrize.cached():
+        out = hop.cond(torch.tensor(True), lambda v: lin(v), lambda v: lin(v) * 2, (x,))
+        again = lin(x)
+    assert not isinstance(out, FakeTensor) and not isinstance(again, FakeTensor)
+    torch.testing.assert_close(out, lin(x))
+    torch.testing.assert_close(again, lin(x))
+
+
+def test_hooked_branch_is_checked_by_its_real_call() -> None:
+    seen: list[str] = []
+    lin = _hooked_linear(seen)
+    with pytest.raises(hop.errors.OutputMismatchError, match=r"true_fn .*could not be checked ahead of time.*hooks"):
+        hop.cond(torch.tensor(True), lambda v: lin(v).double(), lambda v: v, (torch.randn(2, 4),))
+    assert seen == ["pre", "post"]
+    assert not torch.nn.modules.module._global_forward_pre_hooks  # hop's own is gone, after an error too
+
+
+def test_dtype_changing_hook_is_no_false_mismatch() -> None:
+    lin = torch.nn.Linear(4, 4).double()
+    lin.register_forward_pre_hook(lambda m, args: tuple(a.double() for a in args))
+    lin.register_forward_hook(lambda m, args, out: out.float())
+    x = torch.randn(2, 4)
+    hop.config.validate = "once"
+    for k in (0, 1, 0):
+        out = hop.cond(torch.tensor(k == 0), lambda v: lin(v), lambda v: v * 2, (x,))
+        assert out.dtype == torch.float32
+
+
+def test_hooks_of_another_thread_still_fire_during_validation() -> None:
+    seen: list[str] = []
+    other = _hooked_linear(seen)
+    started, release = threading.Event(), threading.Event()
+
+    def slow(v: torch.Tensor) -> torch.Tensor:
+        started.set()
+        release.wait(5)
+        return v + 1
+
+    t = threading.Thread(target=lambda: hop.cond(torch.tensor(True), slow, lambda v: v, (torch.ones(2),)))
+    t.start()
+    assert started.wait(5)  # the validating thread is inside its fake run now
+    other(torch.randn(2, 4))
+    release.set()
+    t.join()
+    assert seen[:2] == ["pre", "post"]
+
+
+# --- hop.config values of the wrong kind ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("10", hop.errors.HopTypeError, r"^hop\.config: validation_cache_size must be an int, got '10' \(str\)"),
+        (2.0, hop.errors.HopTypeError, r"validation_cache_size must be an int, got 2\.0 \(float\)"),
+        (True, hop.errors.HopTypeError, r"validation_cache_size must be an int, got True \(bool\)"),
+        (0, hop.errors.HopValueError, r"validation_cache_size must be at least 1, got 0"),
+    ],
+)
+def test_validation_cache_size_of_the_wrong_kind_names_the_setting(value: Any, error: type, match: str) -> None:
+    previous = hop.config.validation_cache_size
+    hop.config.validation_cache_size = value
+    try:
+        with pytest.raises(error, match=match):
+            hop.cond(torch.tensor(True), lambda v: v + 1, lambda v: v - 1, (torch.ones(2),))
+        with pytest.raises(error, match=match):
+            hop.while_loop(lambda i: i < 2, lambda i: i + 1, (torch.tensor(0),))
+    finally:
+        hop.config.validation_cache_size = previous
+
+
+def test_backward_hooks_fire_only_in_the_real_backward() -> None:
+    seen: list[str] = []
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    a.register_full_backward_hook(lambda m, gi, go: seen.append("a"))
+    b.register_full_backward_hook(lambda m, gi, go: seen.append("b"))
+    x = torch.randn(2, 4, requires_grad=True)
+    hop.cond(torch.tensor(True), lambda v: a(v), lambda v: b(v), (x,)).sum().backward()
+    assert seen == ["a"]
+    assert all(p.grad is not None for p in (*a.parameters(), *b.parameters()))
+
+
+# --- Note [validation under torch.func] -------------------------------------------------------
+
+
+def _mismatched(op: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A call whose untaken branch returns float64 where the taken one returns float32."""
+    if op == "cond":
+        return lambda v: hop.cond(torch.tensor(True), lambda a: a.sin().sum(), lambda a: a.double().sum(), (v,))
+    return lambda v: hop.switch(torch.tensor(0), [lambda a: a.sin().sum(), lambda a: a.double().sum()], (v,))
+
+
+_TRANSFORMS: dict[str, Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], Any]] = {
+    "eager": lambda f, x: f(x),
+    "grad": lambda f, x: torch.func.grad(f)(x),
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (x,)),
+    "vjp": lambda f, x: (lambda out, pull: (out, pull(torch.ones_like(out))))(*torch.func.vjp(f, x)),
+    "vmap": lambda f, x: torch.vmap(f)(x.expand(2, 3)),
+    "grad_of_vmap": lambda f, x: torch.func.grad(lambda v: torch.vmap(f)(v.expand(2, 3)).sum())(x),
+}
+
+
+@pytest.mark.parametrize("op", ["cond", "switch"])
+@pytest.mark.parametrize("transform", list(_TRANSFORMS))
+def test_mismatch_reported_inside_torch_func_as_outside(op: str, transform: str) -> None:
+    with pytest.raises(hop.errors.OutputMismatchError, match=r"dtype float32 vs float64"):
+        _TRANSFORMS[transform](_mismatched(op), torch.randn(3))
+
+
+@pytest.mark.parametrize("transform", list(_TRANSFORMS))
+def test_validation_under_torch_func_is_invisible(transform: str) -> None:
+    runs: list[str] = []
+    w = torch.randn(3)
+    batched = torch.randn(2, 3)
+
+    def t(a: torch.Tensor) -> torch.Tensor:
+        runs.append(type(a).__name__)
+        return (a * w).sin().sum()
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        runs.append(type(a).__name__)
+        return (a * w).cos().sum()
+
+    x = torch.randn(3)
+    got = _TRANSFORMS[transform](lambda v: hop.cond(torch.tensor(False), t, f, (v,)), x)
+    assert runs[:2] == ["FakeTensor", "FakeTensor"] and "FakeTensor" not in runs[2:]
+    hop.config.validate = "never"
+    want = _TRANSFORMS[transform](lambda v: (v * w).cos().sum(), x)
+    torch.testing.assert_close(got, want)
+    # a closed-over tensor batched by an outer vmap: its logical rank is checked
+    out = torch.vmap(lambda v, y: hop.cond(torch.tensor(True), lambda a: a @ y, lambda a: (a * y).sum(), (v,)))(
+        batched, batched
+    )
+    torch.testing.assert_close(out, (batched * batched).sum(1))
+
+
+def test_hessian_through_a_validated_cond() -> None:
+    x = torch.randn(3)
+    h = torch.func.hessian(lambda v: hop.cond(torch.tensor(True), lambda a: a.pow(3).sum(), lambda a: a.sum(), (v,)))
+    torch.testing.assert_close(h(x), torch.diag(6 * x))
+
+
+@pytest.mark.parametrize("op", ["scan", "map"])
+def test_empty_loop_over_a_hooked_module_raises_instead_of_firing_hooks(op: str) -> None:
+    seen: list[str] = []
+    lin = _hooked_linear(seen)
+    call = {
+        "scan": lambda: hop.scan(lambda c, x: (lin(c), c), torch.zeros(4), torch.ones(0, 4)),
+        "map": lambda: hop.map(lambda x: lin(x), torch.ones(0, 4)),
+    }[op]
+    with pytest.raises(hop.errors.HopRuntimeError, match=r"xs has length 0.*Linear has forward hooks.*avoid calling"):
+        call()
+    assert seen == []
+
+
+def test_hooked_modules_as_branches() -> None:
+    seen: list[str] = []
+    a, b = _hooked_linear(seen), _hooked_linear(seen)
+    out = hop.cond(torch.tensor(False), a, b, (torch.ones(2, 4),))
+    assert seen == ["pre", "post"]
+    torch.testing.assert_close(out, b(torch.ones(2, 4)))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from types import BuiltinFunctionType, FunctionType
 from typing import Any
 
 import torch
@@ -35,12 +36,12 @@ from hop.errors import (
     HopRuntimeError,
     HopTypeError,
     HopValueError,
-    MutationError,
     OutputMismatchError,
     format_message,
     type_name,
 )
-from hop.ops._zero_grads import only_vmap_levels, zero_untaken
+from hop.ops._common import check_effects, differentiable, save_operands, saved_operands
+from hop.ops._zero_grads import only_vmap_levels, reads_nothing, zero_untaken
 
 Fn = Callable[..., Any]
 
@@ -55,6 +56,7 @@ class Branching:
     index: Callable[[Any, int], int]  # concrete selector -> branch index (checked)
     masks: Callable[[Any, int], list[Any]]  # tensor selector -> one bool mask per branch
     roles: Callable[[int], tuple[str, ...]]
+    node_args: Callable[[Any, Sequence[Any], tuple[Any, ...]], tuple[Any, ...]]  # (selector, graphs, operands)
     selector: str = "index"  # the selector's parameter name, for messages
 
     def __post_init__(self) -> None:
@@ -160,15 +162,38 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
             check_new_kind(b, key, branches, operands, k, out)
         out = no_alias_tree(out, leaves)
         return zero_untaken(out, branches, leaves) if _grad_enabled() else out
+    key = _validate_under_transform(b, sel, branches, operands, leaves, in_spec)
     flat, outputs = flat_branches(b, branches, in_spec)
     out = as_tuple(b.call(sel, flat, leaves))
     assert outputs.spec is not None  # a branch ran (traced or fake)
-    return _subgraph.unflatten(list(out[: outputs.spec.num_leaves]), outputs.spec)
+    result = _subgraph.unflatten(list(out[: outputs.spec.num_leaves]), outputs.spec)
+    if key is not None and not validation.known_kind(key, result):
+        check_new_kind(b, key, branches, operands, b.index(sel, len(branches)), result)
+    return result
+
+
+def _validate_under_transform(
+    b: Branching, sel: Any, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any
+) -> Any:
+    """Note [validation under torch.func]: a concrete selector under functorch
+    transforms (nothing tracing) is validated as in plain eager; the verdict's key,
+    or None when nothing was validated."""
+    if _transforms.functorch_level() is None or not _transforms.is_concrete(sel) or not _transforms.no_modes():
+        return None
+    if not all(map(_transforms.is_real, leaves)):
+        return None
+    key = validation.signature(b.name, branches, operands, leaves, spec)
+    if validation.is_known(key):  # before reading sel: a read under a transform is slow
+        return None if config.validate == "never" else key
+    return _validate(b, branches, operands, leaves, spec, b.index(sel, len(branches)))
 
 
 MISS = object()
 _SINKS = _observe.SINKS
 _Tensor = torch.Tensor
+_Function = FunctionType
+_Builtin = BuiltinFunctionType
+_VERDICTS = validation._VERDICTS
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -196,6 +221,54 @@ def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, .
     ):
         check_new_kind(BY_NAME[name], key, branches, operands, k, out)
     return finish_eager(out, branches, operands)
+
+
+def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> Any:
+    """``branches[k](x)`` for a plain eager call (as :func:`eager_fast`) with the one
+    plain tensor operand ``x``, closure-free functions or builtins as branches and a
+    validated signature; :data:`MISS` otherwise.
+
+    The commonest call of cond and switch, long-hand: one walk over the branches
+    builds the verdict's key (``validation.flat_signature``'s) and, with grad
+    enabled, decides whether any of them can read a tensor that requires grad (Note
+    [untaken branches get zero gradients]), which would otherwise be a walk each.
+    """
+    if config.validate is not _ONCE:
+        return MISS
+    grad = _grad_enabled()
+    plain = True  # no branch reads a tensor from outside its arguments
+    key: list[Any] = [b.name]
+    add = key.append
+    for fn in branches:
+        kind = type(fn)
+        if kind is _Function:
+            if fn.__closure__ is not None:
+                return MISS
+            add(fn.__code__)
+        elif kind is _Builtin:
+            add(id(fn))  # validation.callable_key's
+        else:
+            return MISS
+        if plain and grad:
+            plain = reads_nothing(fn)
+    add(x.dtype)
+    add(x.ndim)
+    add(x.get_device())
+    signature = tuple(key)
+    kinds = _VERDICTS.get(signature)
+    if kinds is None:
+        return MISS
+    out = branches[k](x)
+    # Note [outputs are checked on every call]
+    if (type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds) and not (
+        validation.known_kind(signature, out)
+    ):
+        check_new_kind(b, signature, branches, (x,), k, out)
+    if grad and (x.requires_grad or not plain):
+        return finish_eager(out, branches, (x,))
+    if type(out) is _Tensor and out is not x and not out._is_view():
+        return out
+    return no_alias_tree(out, (x,))
 
 
 def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
@@ -305,12 +378,15 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
         return None if config.validate == "never" else key
     flat, outputs = flat_branches(b, branches, spec)
     roles = b.roles(len(branches))
+    unchecked: dict[int, str] = {}
     with validation.fake_inputs(leaves) as fake:
         for k in [taken] + [i for i in range(len(flat)) if i != taken]:
             try:
+                validation.check_hooks(branches[k])
                 flat[k](*fake)
-            except validation.CANNOT_FAKE:
-                continue  # data-dependent: cannot be checked ahead of time
+            except validation.CANNOT_FAKE as e:
+                unchecked[k] = f"{type(e).__name__}: {e}"
+                continue  # data-dependent, or hooked modules: checked by its real call
             except HopTypeError:
                 raise
             except Exception as e:
@@ -326,6 +402,7 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
                     role=roles[k],
                 ) from e
     validation.remember(key, outputs.kind)
+    validation.remember_unchecked(key, unchecked)
     return key
 
 
@@ -342,6 +419,9 @@ def check_new_kind(b: Branching, key: Any, branches: Sequence[Fn], operands: Seq
         return
     role = b.roles(len(branches))[k]
     expected = next(iter(validation._VERDICTS.get(key) or {None}))
+    why = validation._UNCHECKED.get(key, {}).get(k)
+    if why is not None:
+        raise _unchecked_mismatch(b, branches, k, out, expected, why)
     raise OutputMismatchError(
         format_message(
             b.name,
@@ -349,6 +429,23 @@ def check_new_kind(b: Branching, key: Any, branches: Sequence[Fn], operands: Seq
             f"fake tensors it returns {validation.describe_kind(expected, kind=True)}: its output depends on "
             "something that is neither its code, its closure nor its operands",
             fix=f"Make {role} return the same kind of value whatever it reads from outside (defaults, globals).",
+        ),
+        op=b.name,
+        role=role,
+    )
+
+
+def _unchecked_mismatch(b: Branching, branches: Sequence[Fn], k: int, out: Any, expected: Any, why: str) -> Exception:
+    """The error for a branch no fake run could check whose real output differs from
+    what the other branches were checked to return."""
+    role = b.roles(len(branches))[k]
+    return OutputMismatchError(
+        format_message(
+            b.name,
+            f"{role} ({_subgraph.describe_fn(branches[k])}) returned {validation.describe_kind(out)}, but the other "
+            f"branches, checked on fake tensors, return {validation.describe_kind(expected, kind=True)} ({role} "
+            f"itself could not be checked ahead of time: {why})",
+            fix="Make every branch return the same structure, dtypes, devices and ranks.",
         ),
         op=b.name,
         role=role,
@@ -417,13 +514,9 @@ def autograd(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[
     return _as_node(b, sel, branches, operands)
 
 
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
 def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
     """``(*operands, *cotangents) -> grads of the differentiable operands``."""
-    diff = [i for i, x in enumerate(operands) if _differentiable(x)]
+    diff = [i for i, x in enumerate(operands) if differentiable(x)]
 
     def vjp_branch(*args: Any) -> Any:
         primals, cts = list(args[:n]), args[n:]
@@ -431,7 +524,7 @@ def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
 
         def on_diff(*d: Any) -> Any:
             out = as_tuple(fn(*_transforms.place(primals, diff, d)))
-            kept[:] = [i for i, o in enumerate(out) if _differentiable(o)]
+            kept[:] = [i for i, o in enumerate(out) if differentiable(o)]
             return tuple(out[i] for i in kept) or (torch.zeros(()),)
 
         out, vjp_fn = torch.func.vjp(on_diff, *[primals[i] for i in diff])[:2]
@@ -445,7 +538,7 @@ def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
 
 def _jvp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
     """``(*operands, *tangents of the differentiable operands) -> (*outputs, *output tangents)``."""
-    diff = [i for i, x in enumerate(operands) if _differentiable(x)]
+    diff = [i for i, x in enumerate(operands) if differentiable(x)]
 
     def jvp_branch(*args: Any) -> Any:
         primals, tangents = list(args[:n]), args[n:]
@@ -474,17 +567,12 @@ class _BranchFunction(torch.autograd.Function):
         b, sel, branches, *operands = inputs
         ctx.b, ctx.branches, ctx.n = b, branches, len(operands)
         ctx.single = not isinstance(output, tuple)
-        tensors = [x for x in (sel, *operands) if isinstance(x, torch.Tensor)]
-        ctx.save_for_backward(*tensors)
-        ctx.save_for_forward(*tensors)
-        ctx.layout = [isinstance(x, torch.Tensor) for x in (sel, *operands)]
-        ctx.others = [x for x in (sel, *operands) if not isinstance(x, torch.Tensor)]
+        save_operands(ctx, (sel, *operands))
 
     @staticmethod
     def _inputs(ctx: Any) -> tuple[Any, list[Any]]:
-        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
-        values = [next(tensors) if is_t else next(others) for is_t in ctx.layout]
-        return values[0], values[1:]
+        sel, *operands = saved_operands(ctx)
+        return sel, operands
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -492,7 +580,7 @@ class _BranchFunction(torch.autograd.Function):
         bw = [_vjp_branch(fn, operands, ctx.n) for fn in ctx.branches]
         out = as_tuple(ctx.b.call(sel, bw, (*operands, *grads)))
         it = iter(out)
-        return (None, None, None, *[next(it) if _differentiable(x) else None for x in operands])
+        return (None, None, None, *[next(it) if differentiable(x) else None for x in operands])
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -500,7 +588,7 @@ class _BranchFunction(torch.autograd.Function):
         diff_t = [
             torch.zeros_like(x) if t is None else t
             for x, t in zip(operands, tangents[3:], strict=True)
-            if _differentiable(x)
+            if differentiable(x)
         ]
         fw = [_jvp_branch(fn, operands, ctx.n) for fn in ctx.branches]
         out = as_tuple(ctx.b.call(sel, fw, (*operands, *diff_t)))
@@ -625,13 +713,21 @@ def proxy(b: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: S
     graphs, lifted = _subgraph.trace_branches(branches, operands)
     roles = b.roles(len(branches))
     for role, fn, gm in zip(roles, branches, graphs, strict=True):
-        _check_effects(b, role, fn, gm)
+        check_effects(
+            b.name,
+            role,
+            fn,
+            gm,
+            what="operand",
+            updates="operands",
+            fix="Return the updated value from the branch instead of writing the operand.",
+        )
     all_operands = (*operands, *lifted)
     with recording() as fresh:
         out = b.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
     for gm in graphs:
         _match_layout(gm, as_tuple(out))
-    result = _subgraph.emit(mode, b.op, _node_args(b, sel, graphs, all_operands), out)
+    result = _subgraph.emit(mode, b.op, b.node_args(sel, graphs, all_operands), out)
     assert_ranges(mode, b.name, result, fresh)
     return result
 
@@ -660,26 +756,3 @@ def _match_layout(gm: torch.fx.GraphModule, merged: Sequence[Any]) -> None:
         single = not isinstance(out_node.args[0], (tuple, list))
         out_node.args = (flat[0] if single else tuple(flat),)
         gm.recompile()
-
-
-def _node_args(b: Branching, sel: Any, graphs: Sequence[Any], operands: tuple[Any, ...]) -> tuple[Any, ...]:
-    if b.name == "cond":
-        return (sel, graphs[0], graphs[1], operands)
-    return (sel, operands, *graphs)
-
-
-def _check_effects(b: Branching, role: str, fn: Fn, gm: torch.fx.GraphModule) -> None:
-    effects = _subgraph.find_mutations_and_aliases(gm)
-    if effects.mutated:
-        raise MutationError(
-            format_message(
-                b.name,
-                f"{role} ({_subgraph.describe_fn(fn)}) writes operand {effects.mutated[0]} in place; in-place "
-                "updates of operands run in eager but cannot be traced (make_fx, torch.export)",
-                fix="Return the updated value from the branch instead of writing the operand.",
-            ),
-            op=b.name,
-            role=role,
-        )
-    if effects.aliased:
-        _subgraph.clone_aliased_outputs(gm, effects)

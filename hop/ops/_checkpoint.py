@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from hop.errors import HopRuntimeError, HopTypeError, format_message, type_name
+from hop.ops._common import differentiable
 
 Fn = Callable[..., Any]
 
@@ -45,10 +46,6 @@ def check_flag(checkpoint: Any) -> None:
             op=_NAME,
             role="checkpoint",
         )
-
-
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
 def checkpoints(cond_fn: Fn, body_fn: Fn, carry: tuple[Any, ...]) -> tuple[list[tuple[int, tuple[Any, ...]]], int]:
@@ -121,7 +118,7 @@ class _CheckpointedLoop(torch.autograd.Function):
             it = iter(ints)
             kept.append(tuple(next(flat) if is_t else next(it) for is_t in layout))
         g = [
-            torch.zeros_like(x) if grad is None and _differentiable(x) else grad
+            torch.zeros_like(x) if grad is None and differentiable(x) else grad
             for x, grad in zip(kept[-1], grads, strict=True)
         ]
         g_closures: list[Any] = [None] * len(closures)
@@ -160,7 +157,7 @@ def _segment_grads(
     body_fn: Fn, start: tuple[Any, ...], steps: int, grads: list[Any], closures: list[torch.Tensor]
 ) -> tuple[list[Any], list[Any]]:
     """Replay ``steps`` iterations from a checkpoint and backpropagate ``grads`` through them."""
-    diff = [i for i, x in enumerate(start) if _differentiable(x)]
+    diff = [i for i, x in enumerate(start) if differentiable(x)]
     with torch.enable_grad():
         x = [v.detach().requires_grad_() if i in diff else v for i, v in enumerate(start)]
         y: tuple[Any, ...] = tuple(x)

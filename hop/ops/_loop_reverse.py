@@ -44,6 +44,7 @@ from hop import _transforms
 from hop.errors import HopRuntimeError, format_message
 from hop.ops import _looping
 from hop.ops._branching import as_tuple
+from hop.ops._common import differentiable
 
 __all__ = ["count_trips", "gradients"]
 
@@ -92,7 +93,7 @@ def gradients(
         return _recompute(body_fn, carried, extra, trips, g_carry)
     n_t = _longest(trips)
     if _transforms.is_concrete(n_t) and int(n_t) == 0:  # torch.func, eager: nothing ran, nothing to pull through
-        return g_carry, [torch.zeros_like(x) if _looping.differentiable(x) else None for x in extra]
+        return g_carry, [torch.zeros_like(x) if differentiable(x) else None for x in extra]
     carry_t, step = _int_carries_as_tensors(body_fn, carried)
     nc, ne = len(carried), len(extra)
     if _raw(trips).dim():
@@ -224,7 +225,7 @@ def _segments(step: Fn, carried: list[Any], extra: list[Any], n_t: _Tensor, g_ca
     sizes = (seg_t, n_t)  # every scan body reads them as inputs, never by closure
     starts = as_tuple(scan_op(_run_segment(step, nc), carried, (segments,), (*extra, *sizes), False))[nc:]
     d_c = [i for i, g in enumerate(g_carry) if g is not None]
-    d_e = [i for i, x in enumerate(extra) if _looping.differentiable(x)]
+    d_e = [i for i, x in enumerate(extra) if differentiable(x)]
     init = (*[g_carry[i] for i in d_c], *[torch.zeros_like(extra[i]) for i in d_e])
     body = _segment_vjp(step, nc, d_c, d_e)
     out = as_tuple(scan_op(body, init, (*starts, segments), (*extra, *sizes), True))
@@ -284,7 +285,7 @@ def _recompute(
     """Note [reverse mode of a traced loop], ``recompute``: O(n^2) body runs, constant memory."""
     n, e = len(carried), len(extra)
     d_carry = [i for i, g in enumerate(g_carry) if g is not None]
-    d_extra = [i for i, x in enumerate(extra) if _looping.differentiable(x)]
+    d_extra = [i for i, x in enumerate(extra) if differentiable(x)]
     m = len(d_carry)
 
     def sweep_cond(k: Any, *a: Any) -> Any:

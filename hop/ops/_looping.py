@@ -39,12 +39,13 @@ from hop.errors import (
     HopRuntimeError,
     HopTypeError,
     HopValueError,
-    MutationError,
     OutputMismatchError,
     format_message,
     type_name,
 )
+from hop.ops import _common
 from hop.ops._branching import as_tuple
+from hop.ops._common import check_effects, differentiable, differentiable_at, save_operands, saved_operands
 
 Fn = Callable[..., Any]
 _Tensor = torch.Tensor
@@ -68,17 +69,15 @@ def pack(flat: Sequence[Any]) -> Any:
     return flat[0] if len(flat) == 1 else tuple(flat)
 
 
-def flatten(tree: Any) -> tuple[list[Any], Any]:
-    """Leaves and structure; ``None`` is an empty subtree (``return carry, None`` has no y)."""
+def flatten_dropping_none(tree: Any) -> tuple[list[Any], Any]:
+    """Leaves and structure, ``None`` an empty subtree (``return carry, None`` has no y),
+    where ``_subgraph.flatten`` (torch's convention) keeps ``None`` as a leaf; the
+    structure unflattens with ``_subgraph.unflatten``."""
     return optree.tree_flatten(tree, none_is_leaf=False, namespace="torch")
 
 
-def unflatten(leaves: Sequence[Any], spec: Any) -> Any:
-    return optree.tree_unflatten(spec, list(leaves))
-
-
-def leaf_paths(tree: Any, root: str) -> list[str]:
-    """``root[1]["h"]``-style names of the leaves of ``tree`` in :func:`flatten`'s order."""
+def leaf_paths_dropping_none(tree: Any, root: str) -> list[str]:
+    """``root[1]["h"]``-style names of the leaves of ``tree`` in :func:`flatten_dropping_none`'s order."""
     paths = []
     for accessor in optree.tree_accessors(tree, none_is_leaf=False, namespace="torch"):
         path = root
@@ -106,7 +105,7 @@ def check_callable(name: str, role: str, fn: Any) -> None:
 def check_leaves(name: str, root: str, tree: Any, leaves: Sequence[Any], *, ints: bool = False) -> None:
     """Every leaf is a tensor (or an int / SymInt when ``ints``)."""
     kinds = (torch.Tensor, int, torch.SymInt) if ints else (torch.Tensor,)
-    for path, leaf in zip(leaf_paths(tree, root), leaves, strict=True):
+    for path, leaf in zip(leaf_paths_dropping_none(tree, root), leaves, strict=True):
         if not isinstance(leaf, kinds) or isinstance(leaf, bool):
             what = "a tensor or an int" if ints else "a tensor"
             raise HopTypeError(
@@ -133,7 +132,7 @@ def check_xs(name: str, xs: Any, leaves: Sequence[torch.Tensor], dim: Any) -> tu
             role="xs",
         )
     check_leaves(name, "xs", xs, leaves)
-    paths = leaf_paths(xs, "xs")
+    paths = leaf_paths_dropping_none(xs, "xs")
     dims: list[int] = []
     for path, x in zip(paths, leaves, strict=True):
         if x.dim() == 0 or not -x.dim() <= dim < x.dim():
@@ -175,11 +174,9 @@ def _same_size(a: Any, b: Any) -> bool:
 def runs_inline(n: Any, *groups: Sequence[Any]) -> bool:
     """Note [scans run inline]: real values, nothing tracing, a known length (an empty
     scan needs fake tensors for its output metadata, so only in plain eager)."""
-    if not _transforms.no_modes() or type(n) is not int:
+    if type(n) is not int or (n == 0 and _transforms.functorch_level() is not None):
         return False
-    if n == 0 and _transforms.functorch_level() is not None:
-        return False
-    return all(_transforms.is_real(v) for group in groups for v in group)
+    return _common.runs_inline(*groups)
 
 
 # --- output checks -------------------------------------------------------------------------------
@@ -207,8 +204,8 @@ def check_carry(L: Looping, fn: Fn, init: Any, carry: Any) -> list[Any]:
 def check_like(name: str, role: str, fn: Fn, ref: Any, out: Any, root: str, pair: str, fix: str = "") -> list[Any]:
     """``out``'s leaves, after checking it has ``ref``'s structure and, per tensor leaf,
     dtype, device and shape; errors name ``root``-based paths and ``pair`` ("init and next_carry")."""
-    leaves, spec = flatten(out)
-    ref_leaves, ref_spec = flatten(ref)
+    leaves, spec = flatten_dropping_none(out)
+    ref_leaves, ref_spec = flatten_dropping_none(ref)
     where = f"({role} is {_subgraph.describe_fn(fn)})"
     fix = fix or f"{role} must return values with the structure, dtypes, devices and shapes of its inputs."
     if spec != ref_spec:
@@ -224,7 +221,7 @@ def check_like(name: str, role: str, fn: Fn, ref: Any, out: Any, root: str, pair
             role=role,
             path=root,
         )
-    for path, a, b in zip(leaf_paths(ref, root), ref_leaves, leaves, strict=True):
+    for path, a, b in zip(leaf_paths_dropping_none(ref, root), ref_leaves, leaves, strict=True):
         diff = leaf_difference(a, b)
         if diff is not None:
             raise OutputMismatchError(
@@ -283,8 +280,8 @@ def _same_dtype(col: Sequence[Any]) -> list[Any]:
 def ys_error(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopValueError | None:
     """Why the outputs of the iterations cannot be stacked along ``dim``."""
     where = f"({L.role} is {_subgraph.describe_fn(fn)})"
-    first, spec = flatten(ys[0])
-    for path, leaf in zip(leaf_paths(ys[0], root), first, strict=True):
+    first, spec = flatten_dropping_none(ys[0])
+    for path, leaf in zip(leaf_paths_dropping_none(ys[0], root), first, strict=True):
         if not isinstance(leaf, _Tensor):
             return _ys_fail(L, f"must be a tensor, got {type_name(leaf)} {where}", path, "Return tensors.")
         if not -leaf.dim() - 1 <= dim <= leaf.dim():
@@ -295,7 +292,7 @@ def ys_error(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopV
                 f"Return tensors of rank >= {dim if dim >= 0 else -dim - 1} or scan along another dim.",
             )
     for i, y in enumerate(ys[1:], start=1):
-        leaves, other = flatten(y)
+        leaves, other = flatten_dropping_none(y)
         if other != spec:
             return _ys_fail(
                 L,
@@ -303,7 +300,7 @@ def ys_error(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopV
                 root,
                 "Return the same structure in every iteration.",
             )
-        for path, a, b in zip(leaf_paths(ys[0], root), first, leaves, strict=True):
+        for path, a, b in zip(leaf_paths_dropping_none(ys[0], root), first, leaves, strict=True):
             diff = leaf_difference(a, b)
             if diff is not None:
                 return _ys_fail(
@@ -353,18 +350,30 @@ def on_fake(L: Looping, fn: Fn, leaves: Sequence[Any], make: Callable[[list[Any]
     """``make(fake leaves)`` on static fake copies of ``leaves``: the output metadata of an empty loop."""
     with _validation.fake_inputs(leaves) as fake:
         try:
+            _validation.check_hooks(fn)
             return make(fake)
         except _validation.CANNOT_FAKE as e:
-            raise HopRuntimeError(
-                format_message(
-                    L.name,
-                    f"xs has length 0, and the shapes of the outputs cannot be found without running "
-                    f"{L.role} ({_subgraph.describe_fn(fn)}), which fails on fake tensors: {type(e).__name__}",
-                    fix="Scan over a non-empty dimension, or avoid data-dependent shapes in the function.",
-                ),
-                op=L.name,
-                role=L.role,
-            ) from e
+            raise _no_empty_metadata(L, fn, e) from e
+
+
+def _no_empty_metadata(L: Looping, fn: Fn, e: Exception) -> HopRuntimeError:
+    """The error for an empty loop whose function cannot run on fake tensors."""
+    hooked = isinstance(e, _validation.HookedModule)  # Note [module hooks do not see validation]
+    why = f"{type(e).__name__} ({e})" if hooked else type(e).__name__
+    avoid = "calling modules with forward hooks" if hooked else "data-dependent shapes"
+    return _empty_loop_error(
+        L,
+        f"the shapes of the outputs cannot be found without running {L.role} ({_subgraph.describe_fn(fn)}), "
+        f"which fails on fake tensors: {why}",
+        f"Scan over a non-empty dimension, or avoid {avoid} in the function.",
+    )
+
+
+def _empty_loop_error(L: Looping, what: str, fix: str, path: str | None = None) -> HopRuntimeError:
+    """``xs has length 0, and <what>``: the outputs of an empty loop cannot be built."""
+    return HopRuntimeError(
+        format_message(L.name, f"xs has length 0, and {what}", fix=fix), op=L.name, role=L.role, path=path
+    )
 
 
 # --- rules -------------------------------------------------------------------------------------
@@ -446,16 +455,12 @@ def check_static(L: Looping, fn: Fn, ys: Sequence[Any], paths: Sequence[str]) ->
     depend on data, since no step gives them (and torch.empty cannot take a symbol)."""
     for path, y in zip(paths, ys, strict=True):
         if not all(type(s) is int for s in y.shape):
-            raise HopRuntimeError(
-                format_message(
-                    L.name,
-                    f"xs has length 0, and {L.role} ({_subgraph.describe_fn(fn)}) returns {path} of a "
-                    f"data-dependent shape {tuple(y.shape)}: the shape of the empty output cannot be known",
-                    fix=f"Loop over a non-empty dimension, or make the shapes of {L.role}'s outputs data-independent.",
-                ),
-                op=L.name,
-                role=L.role,
-                path=path,
+            raise _empty_loop_error(
+                L,
+                f"{L.role} ({_subgraph.describe_fn(fn)}) returns {path} of a data-dependent shape "
+                f"{tuple(y.shape)}: the shape of the empty output cannot be known",
+                f"Loop over a non-empty dimension, or make the shapes of {L.role}'s outputs data-independent.",
+                path,
             )
 
 
@@ -634,7 +639,7 @@ def proxy(
 ) -> Any:
     """Trace the body on fresh example values (lifting what it closes over) and record one node."""
     (gm,), lifted = _subgraph.trace_branches([body], examples(init, xs, additional))
-    check_effects(L.name, L.role, body, gm)
+    check_body_effects(L.name, L.role, body, gm)
     all_additional = (*additional, *lifted)
     with recording() as fresh:
         out = L.call(gm, init, xs, all_additional, reverse)  # the proxy mode is popped: this reaches the fake rule
@@ -643,34 +648,20 @@ def proxy(
     return result
 
 
-def check_effects(name: str, role: str, fn: Fn, gm: torch.fx.GraphModule) -> None:
-    """Refuse a body that writes its inputs; clone outputs that alias them."""
-    effects = _subgraph.find_mutations_and_aliases(gm)
-    if effects.mutated:
-        raise MutationError(
-            format_message(
-                name,
-                f"{role} ({_subgraph.describe_fn(fn)}) writes its input {effects.mutated[0]} in place; in-place "
-                "updates of the carry, xs or closed-over tensors run in eager but cannot be traced (make_fx, "
-                "torch.export)",
-                fix="Return the updated value instead of writing the input.",
-            ),
-            op=name,
-            role=role,
-        )
-    if effects.aliased:
-        _subgraph.clone_aliased_outputs(gm, effects)
+def check_body_effects(name: str, role: str, fn: Fn, gm: torch.fx.GraphModule) -> None:
+    """Refuse a body or combine_fn that writes its inputs; clone outputs that alias them."""
+    check_effects(
+        name,
+        role,
+        fn,
+        gm,
+        what="its input",
+        updates="the carry, xs or closed-over tensors",
+        fix="Return the updated value instead of writing the input.",
+    )
 
 
 # --- derivatives: scans of the body's vjp and jvp ---------------------------------------------------------
-
-
-def differentiable(x: Any) -> bool:
-    return isinstance(x, _Tensor) and (x.is_floating_point() or x.is_complex())
-
-
-def _diff(values: Sequence[Any]) -> list[int]:
-    return [i for i, v in enumerate(values) if differentiable(v)]
 
 
 def _scatter(n: int, at: Sequence[int], values: Sequence[Any]) -> list[Any]:
@@ -705,20 +696,6 @@ class _ScanFunction(torch.autograd.Function):
         return scan_jvp(ctx.L.call, ctx.body, init, xs, additional, ctx.reverse, tangents[4:], ctx.out_diff)
 
 
-def save_operands(ctx: Any, operands: Sequence[Any]) -> None:
-    """Keep ``operands`` (tensors, ints, SymInts) on an autograd ``ctx`` for backward and jvp."""
-    tensors = [x for x in operands if isinstance(x, _Tensor)]
-    ctx.save_for_backward(*tensors)
-    ctx.save_for_forward(*tensors)
-    ctx.layout = [isinstance(x, _Tensor) for x in operands]
-    ctx.others = [x for x in operands if not isinstance(x, _Tensor)]
-
-
-def saved_operands(ctx: Any) -> list[Any]:
-    tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
-    return [next(tensors) if t else next(others) for t in ctx.layout]
-
-
 def _split(operands: Sequence[Any], counts: tuple[int, int, int]) -> tuple[list[Any], list[Any], list[Any]]:
     nc, nx, _ = counts
     return list(operands[:nc]), list(operands[nc : nc + nx]), list(operands[nc + nx :])
@@ -739,7 +716,7 @@ def scan_vjp(
     from hop.ops.scan import scan_op
 
     nc = len(init)
-    dc, dx, da = _diff(init), _diff(xs), _diff(additional)
+    dc, dx, da = differentiable_at(init), differentiable_at(xs), differentiable_at(additional)
     dy = [j for j in range(len(grads) - nc) if out_diff[nc + j]]
     carries: tuple[Any, ...] = ()
     if nc:
@@ -799,7 +776,7 @@ def scan_jvp(
 ) -> Any:
     """Output tangents: the op again on the body's jvp, carrying ``(carry, carry tangent)``."""
     nc, nx, na = len(init), len(xs), len(additional)
-    dc, dx, da = _diff(init), _diff(xs), _diff(additional)
+    dc, dx, da = differentiable_at(init), differentiable_at(xs), differentiable_at(additional)
     dy = [j for j in range(len(out_diff) - nc) if out_diff[nc + j]]
     values = [*init, *xs, *additional]
 

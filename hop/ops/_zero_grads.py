@@ -49,8 +49,9 @@ import torch
 from torch._C._functorch import TransformType
 
 from hop import _subgraph
+from hop.ops._common import differentiable
 
-__all__ = ["zero_untaken"]
+__all__ = ["close_over_nothing", "reads_nothing", "zero_untaken"]
 
 _Tensor = torch.Tensor
 _Function = FunctionType
@@ -60,6 +61,7 @@ _STRIDED = torch.strided
 _HOLDERS = (torch.Tensor, torch.nn.Module, FunctionType)  # globals that may lead to a tensor
 _PyModule = ModuleType
 _Builtin = BuiltinFunctionType  # torch.tanh and the like: C functions
+_GLOBALS_READ = _subgraph.GLOBALS_READ
 _tracing_state: Callable[[], Any] = torch._C._get_tracing_state
 _interpreter_stack: Callable[[], Any] = torch._C._functorch.get_interpreter_stack
 _transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
@@ -71,7 +73,7 @@ def zero_untaken(out: Any, branches: Sequence[Callable[..., Any]], operands: Seq
     (Note [untaken branches get zero gradients]). ``operands`` are flat leaves;
     the caller checked that grad mode is enabled. Every eager call with grad
     enabled pays for the decision, so it is written out long-hand."""
-    plain = _close_over_nothing(branches)
+    plain = close_over_nothing(branches)
     if plain:
         for x in operands:
             if type(x) in _DENSE and x.requires_grad:
@@ -81,16 +83,35 @@ def zero_untaken(out: Any, branches: Sequence[Callable[..., Any]], operands: Seq
     return _attach(out, branches, operands, plain)
 
 
-def _close_over_nothing(branches: Sequence[Callable[..., Any]]) -> bool:
+def close_over_nothing(branches: Sequence[Callable[..., Any]]) -> bool:
     """Builtins, and plain functions without closure cells or defaults whose globals
     hold no tensor, module or function (the commonest case): nothing to search."""
     for fn in branches:
-        if type(fn) is _Builtin and not isinstance(fn.__self__, _HOLDERS):  # not a tensor's bound method
-            continue
-        if type(fn) is not _Function or fn.__closure__ is not None or fn.__defaults__ or fn.__kwdefaults__:
+        if type(fn) is _Function and fn.__closure__ is not None:
             return False
+        if not reads_nothing(fn):
+            return False
+    return True
+
+
+def reads_nothing(fn: Callable[..., Any]) -> bool:
+    """For a builtin or a function without closure cells: whether it has no defaults
+    and reads no global that is a tensor, a module or a function, so no tensor it
+    reads (but its arguments) can require grad. On every eager call with grad enabled."""
+    if type(fn) is not _Function:
+        if type(fn) is not _Builtin:
+            return False
+        owner = fn.__self__  # None for torch.tanh and the like; a tensor for its bound methods
+        return owner is None or type(owner) is _PyModule or not isinstance(owner, _HOLDERS)
+    if fn.__defaults__ or fn.__kwdefaults__:
+        return False
+    code = fn.__code__
+    names = _GLOBALS_READ.get(code)
+    if names is None:
+        names = _subgraph.globals_read(code)
+    if names:
         g = fn.__globals__
-        for name in fn.__code__.co_names:  # mostly attribute names (None) or `torch`
+        for name in names:  # mostly `torch`
             v = g.get(name)
             if v is not None and type(v) is not _PyModule and isinstance(v, _HOLDERS):
                 return False
@@ -105,13 +126,13 @@ def _attach(out: Any, branches: Sequence[Callable[..., Any]], operands: Sequence
         spec = None
     else:
         leaves, spec = _subgraph.flatten(out)
-        if not any(_differentiable(o) for o in leaves):
+        if not any(differentiable(o) for o in leaves):
             return out
     closure = () if plain else _subgraph.closure_tensors(branches)
     reads = list({id(x): x for x in (*operands, *closure) if _dense_requiring_grad(x)}.values())
     if not reads or _tracing_state() is not None:  # torch.jit.trace would record a Python op
         return out
-    at = [i for i, o in enumerate(leaves) if _differentiable(o)]
+    at = [i for i, o in enumerate(leaves) if differentiable(o)]
     inputs = (len(at), *[leaves[i] for i in at], *reads)
     passed = _ZeroGradsBatched.apply(*inputs) if _transforms_active() else _apply(*inputs)  # type: ignore[no-untyped-call]
     for i, o in zip(at, passed, strict=True):
@@ -123,10 +144,6 @@ def only_vmap_levels() -> bool:
     """Every active torch.func transform is a vmap: plain autograd outside them
     differentiates the node (through its generated vmap rule), none of them does."""
     return all(i.key() == TransformType.Vmap for i in _interpreter_stack() or ())
-
-
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, _Tensor) and (x.is_floating_point() or x.is_complex())
 
 
 def _dense_requiring_grad(x: Any) -> bool:

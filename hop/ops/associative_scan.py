@@ -42,6 +42,7 @@ from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
+from hop.ops._common import differentiable, save_operands, saved_operands
 from hop.ops.scan import SCAN
 
 __all__ = ["associative_scan", "associative_scan_op"]
@@ -87,7 +88,7 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
         return _observe.watch(_NAME, associative_scan, (combine_fn, xs, dim, reverse, combine_mode))
     check_options(combine_fn, reverse, combine_mode)
-    leaves, spec = lp.flatten(xs)
+    leaves, spec = lp.flatten_dropping_none(xs)
     dims, n = lp.check_xs(_NAME, xs, leaves, dim)
     moved = [x.movedim(d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
     moved = [x.flip(0) for x in moved] if reverse else moved
@@ -98,7 +99,7 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
         body, lifted = lp.lift_closures(body, lambda: [*lp.examples((), moved, ()), *lp.examples((), moved, ())])
         out = associative_scan_op(body, tuple(moved), tuple(lifted), combine_mode)
     out = [o.flip(0) for o in as_tuple(out)] if reverse else as_tuple(out)
-    return lp.unflatten([o.movedim(0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
+    return _subgraph.unflatten([o.movedim(0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
 
 
 def check_options(combine_fn: Any, reverse: Any, combine_mode: Any) -> None:
@@ -121,8 +122,8 @@ def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
     n = spec.num_leaves
 
     def body(*leaves: Any) -> tuple[Any, ...]:
-        lhs = lp.unflatten(leaves[:n], spec)
-        out = combine_fn(lhs, lp.unflatten(leaves[n : 2 * n], spec))
+        lhs = _subgraph.unflatten(leaves[:n], spec)
+        out = combine_fn(lhs, _subgraph.unflatten(leaves[n : 2 * n], spec))
         return tuple(lp.check_like(_NAME, "combine_fn", combine_fn, lhs, out, "output", "xs and the output"))
 
     body.__qualname__ = getattr(combine_fn, "__qualname__", type(combine_fn).__qualname__)
@@ -261,7 +262,7 @@ def associative_scan_proxy(
 ) -> Any:
     examples = [*lp.empty_slices(xs, [0] * len(xs)), *lp.empty_slices(xs, [0] * len(xs)), *additional_inputs]
     (gm,), lifted = _subgraph.trace_branches([combine_fn], examples)
-    lp.check_effects(_NAME, "combine_fn", combine_fn, gm)
+    lp.check_body_effects(_NAME, "combine_fn", combine_fn, gm)
     all_additional = (*additional_inputs, *lifted)
     out = associative_scan_op(gm, tuple(xs), all_additional, combine_mode)  # reaches the fake rule
     return _subgraph.emit(mode, associative_scan_op, (gm, tuple(xs), all_additional, combine_mode), out)
@@ -292,13 +293,13 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.combine_fn, _, ctx.nx, *operands = inputs
-        lp.save_operands(ctx, operands)
+        save_operands(ctx, operands)
 
     @staticmethod
     def _split(ctx: Any) -> tuple[list[Any], list[Any], list[Any], list[bool]]:
-        operands = lp.saved_operands(ctx)
+        operands = saved_operands(ctx)
         xs, additional = operands[: ctx.nx], operands[ctx.nx :]
-        return xs, [x.select(0, 0) for x in xs], additional, [lp.differentiable(x) for x in xs]
+        return xs, [x.select(0, 0) for x in xs], additional, [differentiable(x) for x in xs]
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:

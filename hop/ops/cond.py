@@ -23,6 +23,7 @@ from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, functorch_level, is_dynamo_compiling, mode_stack_len, tf_mode_enabled
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.ops import _branching as br
+from hop.ops._zero_grads import reads_nothing as _reads_nothing
 
 __all__ = ["cond", "cond_op"]
 
@@ -110,7 +111,10 @@ def cond(
                     # Note [outputs are checked on every call]
                     if type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds:
                         _check_kind(key, true_fn, false_fn, operands, k, out)
-                    if _grad_enabled():  # Note [untaken branches get zero gradients]
+                    # Note [untaken branches get zero gradients]: rarely needed, decided long-hand
+                    if _grad_enabled() and (
+                        x.requires_grad or not (_reads_nothing(true_fn) and _reads_nothing(false_fn))
+                    ):
                         return br.finish_eager(out, (true_fn, false_fn), operands)
                     if type(out) is _Tensor and out is not x and not out._is_view():
                         return out
@@ -196,6 +200,7 @@ COND = br.Branching(
     index=_index,
     masks=_masks,
     roles=lambda n: ("true_fn", "false_fn"),
+    node_args=lambda pred, graphs, operands: (pred, graphs[0], graphs[1], operands),
     selector="pred",
 )
 

@@ -159,6 +159,7 @@ def _validate_once(lower: int, body_fn: Callable[[Any, Any], Any], init_val: Any
     with validation.fake_inputs(leaves) as fake:
         val = _subgraph.unflatten(fake, spec)
         try:
+            validation.check_hooks(body_fn)
             out = body_fn(lower, val)
         except validation.CANNOT_FAKE:
             return

@@ -33,6 +33,8 @@ from hop.ops import _branching as br
 __all__ = ["switch", "switch_op"]
 
 _Tensor = torch.Tensor
+_SEQUENCES = (list, tuple)
+_INDEX_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 
 Fn = Callable[..., Any]
 _check: Callable[..., None] = torch._check  # untyped in torch
@@ -74,8 +76,8 @@ def switch(
     if (
         type(index) is _Tensor
         and type(operands) is tuple
-        and type(branches) in (list, tuple)
-        and not index.is_floating_point()
+        and type(branches) in _SEQUENCES
+        and index.dtype in _INDEX_DTYPES
         and not mode_stack_len()
         and functorch_level() is None
         and not tf_mode_enabled()  # also active whenever torch.export's pre-dispatch tracer is
@@ -84,7 +86,11 @@ def switch(
             k = int(index)  # meta or several elements raise: the general path explains
         except (RuntimeError, NotImplementedError, ValueError):
             k = -1
-        if 0 <= k < len(branches) and index.dtype is not torch.bool:
+        if 0 <= k < len(branches):
+            if len(operands) == 1 and type(operands[0]) is _Tensor:  # the commonest call
+                out = br.eager_one(SWITCH, k, branches, operands[0])
+                if out is not br.MISS:
+                    return out
             out = br.eager_fast("switch", k, branches, operands)
             if out is not br.MISS:
                 return out
@@ -215,6 +221,7 @@ SWITCH = br.Branching(
     index=_index,
     masks=_masks,
     roles=lambda n: tuple(f"branches[{k}]" for k in range(n)),
+    node_args=lambda index, graphs, operands: (index, operands, *graphs),
 )
 
 

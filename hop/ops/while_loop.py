@@ -32,9 +32,10 @@ from hop import _observe, _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording
-from hop.errors import HopTypeError, HopValueError, MutationError, format_message, type_name
+from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _checkpoint, _loop_reverse
 from hop.ops._branching import as_tuple, like, no_alias
+from hop.ops._common import check_effects, differentiable, runs_inline, save_operands, saved_operands
 from hop.ops._looping import leaf_difference
 
 __all__ = ["while_loop", "while_loop_op"]
@@ -189,6 +190,7 @@ def _validate(flat_cond: Fn, flat_body: Fn, leaves: list[Any], fns: tuple[Fn, Fn
     """One iteration on fake tensors: cond returns one bool, body keeps the carry's kind."""
     with validation.fake_inputs(leaves) as fake:
         try:
+            validation.check_hooks(*fns)
             _truth(flat_cond(*fake), fns[0])
             flat_body(*fake)
         except validation.CANNOT_FAKE:
@@ -308,17 +310,12 @@ def _freeze(pred: torch.Tensor, new: Any, old: Any) -> Any:
     return torch.where(pred.reshape(()), new, old)
 
 
-def _loop_is_concrete(carried: Sequence[Any], additional: Sequence[Any]) -> bool:
-    """Real tensors under every functorch wrapper, nothing tracing: run inline."""
-    return _transforms.no_modes() and all(_transforms.is_real(x) for x in (*carried, *additional))
-
-
 def _inline_or_node(
     cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], level: int | None = None
 ) -> Any:
     """Autograd, grad and jvp: Note [loops run inline] when concrete, else one autograd node
     (always one under ``checkpoint=True``: its backward keeps about sqrt(n) carries)."""
-    if _loop_is_concrete(carried, additional) and not _CHECKPOINT.get():
+    if runs_inline(carried, additional) and not _CHECKPOINT.get():
         return while_loop_dense(cond_fn, body_fn, carried, additional)
     return _as_node(cond_fn, body_fn, carried, additional, level)
 
@@ -361,7 +358,7 @@ def while_loop_vmap(
 ) -> Any:
     """Concrete: the masked loop inline. Traced: one loop a level down that runs while
     any element is active and freezes finished ones."""
-    if _loop_is_concrete(carried_inputs, additional_inputs):
+    if runs_inline(carried_inputs, additional_inputs):
         return while_loop_dense(cond_fn, body_fn, carried_inputs, additional_inputs)
     level, size = interpreter.level(), interpreter.batch_size()
     carried, c_dims = _transforms.unwrap_batched(carried_inputs, level)
@@ -439,7 +436,15 @@ def while_loop_proxy(
         templates = tuple(_subgraph.trace_example(t) for t in templates)
     (cond_graph, body_graph), lifted = _subgraph.trace_branches([cond_fn, body_fn], (*templates, *additional_inputs))
     _check_cond_graph(cond_graph, cond_fn)
-    _check_body_graph(body_graph, body_fn)
+    check_effects(
+        _NAME,
+        "body_fn",
+        body_fn,
+        body_graph,
+        what="carry",
+        updates="carries",
+        fix="Return the new carry from body_fn instead of writing the old one.",
+    )
     extra = (*additional_inputs, *lifted)
     with recording() as fresh:
         out = while_loop_op(cond_graph, body_graph, tuple(carried_inputs), extra)
@@ -488,23 +493,6 @@ def _symbolic(value: Any) -> bool:
     return isinstance(value, torch.SymInt) and value.node.expr.is_Symbol
 
 
-def _check_body_graph(gm: torch.fx.GraphModule, body_fn: Fn) -> None:
-    effects = _subgraph.find_mutations_and_aliases(gm)
-    if effects.mutated:
-        raise MutationError(
-            format_message(
-                _NAME,
-                f"body_fn ({_subgraph.describe_fn(body_fn)}) writes carry {effects.mutated[0]} in place; in-place "
-                "updates of carries run in eager but cannot be traced (make_fx, torch.export)",
-                fix="Return the new carry from body_fn instead of writing the old one.",
-            ),
-            op=_NAME,
-            role="body_fn",
-        )
-    if effects.aliased:
-        _subgraph.clone_aliased_outputs(gm, effects)
-
-
 def _check_cond_graph(gm: torch.fx.GraphModule, cond_fn: Fn) -> None:
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     val = out.meta.get("val") if isinstance(out, torch.fx.Node) else out
@@ -536,18 +524,15 @@ class _LoopFunction(torch.autograd.Function):
             not isinstance(a, torch.Tensor) or leaf_difference(a, o) is None
             for a, o in zip(ctx.args[: ctx.n], output[1:], strict=True)
         )
-        # saved through autograd, so that torch.func.grad hands them back at the right level
-        ctx.save_for_backward(output[0], *[a for a in ctx.args if isinstance(a, torch.Tensor)])
-        ctx.others = [a for a in ctx.args if not isinstance(a, torch.Tensor)]
+        save_operands(ctx, (output[0], *ctx.args))
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        trips, *saved_args = ctx.saved_tensors
-        saved, others = iter(saved_args), iter(ctx.others)
-        n, args = ctx.n, [next(saved) if isinstance(a, torch.Tensor) else next(others) for a in ctx.args]
+        trips, *args = saved_operands(ctx)
+        n = ctx.n
         carried, extra = list(args[:n]), list(args[n:])
         g_carry = [
-            None if not _differentiable(x) else (x.new_zeros(s) if g is None else g)
+            None if not differentiable(x) else (x.new_zeros(s) if g is None else g)
             for x, s, g in zip(carried, ctx.final_shapes, grads[1:], strict=True)
         ]
         g_c, g_e = _loop_reverse.gradients(
@@ -559,12 +544,12 @@ class _LoopFunction(torch.autograd.Function):
     def jvp(ctx: Any, *tangents: Any) -> Any:
         n, args = ctx.n, ctx.args
         carried, extra = args[:n], args[n:]
-        diff = [i for i, x in enumerate(carried) if _differentiable(x)]
+        diff = [i for i, x in enumerate(carried) if differentiable(x)]
         t_carry = [torch.zeros_like(carried[i]) if tangents[4 + i] is None else tangents[4 + i] for i in diff]
         t_extra = [
             torch.zeros_like(x) if t is None else t
             for x, t in zip(extra, tangents[4 + n :], strict=True)
-            if _differentiable(x)
+            if differentiable(x)
         ]
         cond_fn, body_fn = ctx.cond_fn, ctx.body_fn
         k = len(diff)
@@ -574,7 +559,7 @@ class _LoopFunction(torch.autograd.Function):
 
         def jvp_body(*a: Any) -> tuple[Any, ...]:
             primal, tan, ex, ex_t = a[:n], a[n : n + k], a[n + k : n + k + len(extra)], a[n + k + len(extra) :]
-            d_extra = [i for i, x in enumerate(ex) if _differentiable(x)]
+            d_extra = [i for i, x in enumerate(ex) if differentiable(x)]
 
             def on_diff(*d: Any) -> tuple[Any, ...]:
                 full, ext = list(primal), list(ex)
@@ -590,14 +575,10 @@ class _LoopFunction(torch.autograd.Function):
             return (*out, *[t_out[i] for i in diff])
 
         res = as_tuple(while_loop_op(jvp_cond, jvp_body, (*carried, *t_carry), (*extra, *t_extra)))
-        t_full = [torch.zeros_like(x) if _differentiable(x) else None for x in res[:n]]
+        t_full = [torch.zeros_like(x) if differentiable(x) else None for x in res[:n]]
         for j, i in enumerate(diff):
             t_full[i] = res[n + j]
         return (None, *t_full)
-
-
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
 # Whether the loop being called asked for checkpoint=True. Set by while_loop() around

@@ -1,7 +1,7 @@
 """The shared harness every operator's program table runs through.
 
 Each check compares a hop program against its plain-Python reference under one
-column of the transform matrix (DESIGN.md section 3).
+column of the transform matrix (docs/design.md).
 """
 
 from __future__ import annotations

@@ -117,6 +117,54 @@ def test_operand_and_closure_cell_the_taken_branch_ignores_get_zeros() -> None:
         assert y.grad is not None and w.grad is not None and not y.grad.any() and not w.grad.any()
 
 
+_SW_W = torch.nn.Parameter(torch.full((3,), 2.0))
+
+
+def _sw_sin(a: torch.Tensor) -> torch.Tensor:
+    return a.sin()
+
+
+def _sw_global(a: torch.Tensor) -> torch.Tensor:
+    return a * _SW_W
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_long_hand_path_with_functions_and_builtins(k: int) -> None:
+    # one tensor, closure-free functions and a builtin: switch's long-hand path
+    branches = [_sw_sin, torch.tanh, _sw_global]
+    want_fn = [torch.sin, torch.tanh, lambda a: a * 2.0][k]
+    for _ in range(3):  # the first call validates, later ones take the long-hand path
+        x = torch.randn(3, requires_grad=True)
+        _SW_W.grad = None
+        out = hop.switch(torch.tensor(k), branches, (x,))
+        torch.testing.assert_close(out, want_fn(x))
+        out.sum().backward()
+        torch.testing.assert_close(x.grad, torch.autograd.grad(want_fn(x).sum(), x)[0])
+        assert _SW_W.grad is not None and bool(_SW_W.grad.any()) == (k == 2)
+        with torch.no_grad():
+            y = torch.randn(2, 3)
+            assert not hop.switch(torch.tensor(k), branches, (y,)).requires_grad
+    same = hop.switch(torch.tensor(0), [lambda a: a, torch.tanh], (torch.ones(2),))
+    same2 = hop.switch(torch.tensor(0), [lambda a: a, torch.tanh], (x := torch.ones(2),))
+    assert same2 is not x and same2.data_ptr() != x.data_ptr() and torch.equal(same, same2)  # never an alias
+
+
+def test_long_hand_path_checks_every_output() -> None:
+    def changes(a: torch.Tensor) -> torch.Tensor:
+        return a.to(_SW_DTYPE[0])
+
+    _SW_DTYPE[0] = torch.float32
+    x = torch.randn(3)
+    for _ in range(2):
+        hop.switch(torch.tensor(0), [changes, torch.sin], (x,))
+    _SW_DTYPE[0] = torch.float64  # a global changes what the branch returns
+    with pytest.raises(OutputMismatchError, match="branches\\[0\\]"):
+        hop.switch(torch.tensor(0), [changes, torch.sin], (x,))
+
+
+_SW_DTYPE = [torch.float32]
+
+
 def _experts_loss(i: torch.Tensor, x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     return hop.switch(i, [lambda a, w=w: (a @ w).sin().sum() for w in ws], (x,))
 
