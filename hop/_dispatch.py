@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
-from hop import debug
+from hop import _observe, debug
 from hop._transforms import is_user_mode
 from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
 
@@ -118,9 +118,11 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 def _record(op: HigherOrderOperator, key: Any, route: str, kernel: Any = None, detail: Any = None) -> None:
     name = getattr(kernel, "__qualname__", None) if kernel is not None else None
     key_name = str(key).removeprefix("DispatchKey.")
-    rec = debug.DispatchRecord(op.name(), key_name, route, name, None if detail is None else str(detail))
-    for sink in list(debug.SINKS):
-        sink(rec)
+    rec = debug.DispatchRecord(
+        op.name(), key_name, route, name, None if detail is None else str(detail), depth=_observe.depth(op.name())
+    )
+    _observe.dispatched(rec)
+    _observe.emit(rec)
 
 
 # --- entry points -----------------------------------------------------------

@@ -28,6 +28,7 @@ import torch.fx
 import torch.utils._cxx_pytree as _pytree  # optree-backed: ~5x faster than _pytree
 import torch.utils._pytree as py_pytree
 
+from hop import _observe
 from hop.errors import OutputMismatchError, format_message
 
 __all__ = [
@@ -371,6 +372,7 @@ def convert_closures(
     captured = [t for t in closure_tensors(fns) if tracked(t) and not any(t is x for x in operands)]
     if not captured:
         return list(fns), []
+    _observe.closures(captured)
     return [with_closure_as_inputs(fn, captured) for fn in fns], captured
 
 
@@ -504,6 +506,7 @@ def trace_branches(
         union.extend(v for v in lifted if not any(_same_value(v, u) for u in union))
     for gm, lifted, nodes in traced:
         _align_placeholders(gm, lifted, nodes, union)
+    _observe.closures(union)
     return [gm for gm, _, _ in traced], union
 
 
@@ -611,6 +614,10 @@ def emit(mode: Any, op: Any, args: Sequence[Any], out: Any) -> Any:
 
     proxy_args = py_pytree.tree_map(to_arg, tuple(args))
     out_proxy = tracer.create_proxy("call_function", op, proxy_args, {})
+    if _observe.SINKS or _observe.structured_on():
+        from hop._observe_traced import traced_node
+
+        traced_node(op.name(), tuple(args))
     return track_tensor_tree(out, out_proxy, constant=None, tracer=tracer)
 
 

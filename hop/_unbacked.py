@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_tru
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from hop import _subgraph
+from hop import _observe, _subgraph
 from hop.errors import OutputMismatchError, format_message
 
 __all__ = [
@@ -179,6 +179,10 @@ class Unifier:
             lows, highs = zip(*(_bounds(self.shape_env, v) for v in values), strict=True)
             found = fresh_symint(self.shape_env, min(lows), max(highs), size=size)
             self._bases.append((key, found))
+            if _observe.SINKS or _observe.structured_on():
+                from hop._observe_traced import unified
+
+                unified(self.op, self.roles, values, found, min(lows), max(highs))
         self._made[key] = found
         return found
 
@@ -292,6 +296,10 @@ def assert_ranges(
                 msg = f"hop.{op}: {where} must be {word} {bound} ({why})"
                 check = tracer.create_proxy("call_function", torch.ops.aten._assert_scalar.default, (test, msg), {})
                 check.node.meta["_fx_runtime_assert_preserve"] = True
+                if _observe.SINKS or _observe.structured_on():
+                    from hop._observe_traced import runtime_assert
+
+                    runtime_assert(op, msg)
 
 
 # --- loops: carries that stand for every iteration ----------------------------------------------
@@ -320,7 +328,16 @@ def generalize_carries(
     env = shape_env
 
     def make(k: int) -> Callable[[Any, int], Any]:
-        return lambda c, d: fresh_symint(env, *ranges[k, d], size=isinstance(c, torch.Tensor))
+        def made(c: Any, d: int) -> Any:
+            sym = fresh_symint(env, *ranges[k, d], size=isinstance(c, torch.Tensor))
+            if _observe.SINKS or _observe.structured_on():
+                from hop._observe_traced import unified
+
+                where = f"carry[{k}].size({d})" if isinstance(c, torch.Tensor) else f"carry[{k}]"
+                unified(op, (f"{where} on entry",), (_quantity(c, d),), sym, *ranges[k, d])
+            return sym
+
+        return made
 
     return tuple(_generalize(c, v, make(k)) for k, (c, v) in enumerate(zip(carried, varying, strict=True)))
 

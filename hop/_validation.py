@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hop import _subgraph, config
+from hop import _observe, _subgraph, config
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 
 __all__ = [
@@ -73,6 +73,7 @@ _VERDICTS: dict[Any, set[Any]] = {}
 # Per verdict, the callables a fake run gave up on and why (read only when an
 # output check fails, to say that callable was checked by its real call alone).
 _UNCHECKED: dict[Any, dict[int, str]] = {}
+_SINKS = _observe.SINKS
 
 
 def value_key(v: Any) -> Any:
@@ -149,7 +150,10 @@ def is_known(key: Any) -> bool:
         raise HopValueError(
             format_message("config", f'validate must be "once", "always" or "never", got {mode!r}'), role="validate"
         )
-    return mode == "never" or (mode == "once" and key in _VERDICTS)
+    known = mode == "never" or (mode == "once" and key in _VERDICTS)
+    if known and _SINKS:
+        _observe.validation_cached(off=mode == "never")
+    return known
 
 
 def remember(key: Any, kind: Any = None) -> None:
@@ -159,6 +163,7 @@ def remember(key: Any, kind: Any = None) -> None:
         _VERDICTS.clear()
         _UNCHECKED.clear()
     _VERDICTS[key] = set() if kind is None else {kind}
+    _observe.verdict(key, kind)
 
 
 def _cache_size() -> int:
@@ -271,7 +276,14 @@ def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
     user_modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
     with user_modes, temporarily_clear_interpreter_stack():  # Note [validation under torch.func]
         fake = [_to_fake(mode, x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        with _isolated(), _no_module_hooks(), _no_parametrization_cache(), mode, _FakeClosures(mode):
+        with (
+            _observe.validation_run(),
+            _isolated(),
+            _no_module_hooks(),
+            _no_parametrization_cache(),
+            mode,
+            _FakeClosures(mode),
+        ):
             yield fake
 
 

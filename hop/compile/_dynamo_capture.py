@@ -38,6 +38,7 @@ from torch._dynamo.variables.lazy import LazyVariableTracker
 from torch._dynamo.variables.lists import BaseListVariable
 from torch._dynamo.variables.tensor import SymNodeVariable
 
+from hop import _observe
 from hop._transforms import DYNAMO_CALL
 from hop.errors import CompileUnsupported, HopError, format_message
 
@@ -96,6 +97,10 @@ def _breaking(cls: type[HopError]) -> type[Exception]:
 
 def as_graph_break(error: HopError) -> Exception:
     """``error`` as a graph break that is still an instance of its own class."""
+    if _observe.SINKS or _observe.structured_on():
+        from hop._observe_traced import graph_break
+
+        graph_break(error)
     if isinstance(error, Unsupported):
         return error
     breaking = _breaking(type(error))(error)
@@ -391,6 +396,12 @@ def emit(tx: Any, op: Any, args: tuple[Any, ...]) -> VT:
     proxy = tx.output.create_proxy("call_function", op, args, {})
     with hop_errors_break_graph():
         value = get_fake_value(proxy.node, tx)
+    if _observe.SINKS or _observe.structured_on():
+        from hop._observe_traced import captured
+
+        modules = tx.output.nn_modules
+        graphs = [modules.get(a.node.target) for a in args if isinstance(a, torch.fx.Proxy) and a.node.op == "get_attr"]
+        captured(op.name(), [g for g in graphs if isinstance(g, torch.fx.GraphModule)])
     return wrap_fx_proxy(tx, proxy, example_value=value)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hop import _subgraph, _transforms, config
+from hop import _observe, _subgraph, _transforms, config
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import Unifier, assert_ranges, dense_order, recording
@@ -154,6 +154,8 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
     leaves, in_spec = _subgraph.flatten(tuple(operands))
     if _transforms.is_concrete(sel) and _transforms.in_plain_eager() and all(map(_plain_leaf, leaves)):
         k = b.index(sel, len(branches))
+        if _SINKS:
+            _observe.note(b.name, inline=True)
         key = _validate(b, branches, operands, leaves, in_spec, k)
         out = branches[k](*operands)
         if key is not None and not validation.known_kind(key, out):
@@ -187,6 +189,7 @@ def _validate_under_transform(
 
 
 MISS = object()
+_SINKS = _observe.SINKS
 _Tensor = torch.Tensor
 _Function = FunctionType
 _Builtin = BuiltinFunctionType
@@ -458,7 +461,10 @@ def dense(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any
         if any(isinstance(x, torch.Tensor) and not x.is_meta for x in operands):
             raise _meta_selector(b, operands)
         return _run_all_and_merge(b, branches, operands, None)
-    return no_alias(branches[b.index(sel, len(branches))](*operands), operands)
+    k = b.index(sel, len(branches))
+    if _SINKS:
+        _observe.note(b.name, branch=k)
+    return no_alias(branches[k](*operands), operands)
 
 
 def _meta_selector(b: Branching, operands: Sequence[Any]) -> HopValueError:
@@ -490,7 +496,10 @@ def _run_all_and_merge(b: Branching, branches: Sequence[Fn], operands: Sequence[
 
 def inline(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Note [eager branches run inline]: run the chosen branch at the current level."""
-    return no_alias(branches[b.index(sel, len(branches))](*operands), operands)
+    k = b.index(sel, len(branches))
+    if _SINKS:
+        _observe.note(b.name, branch=k)
+    return no_alias(branches[k](*operands), operands)
 
 
 def autograd(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:

@@ -36,7 +36,7 @@ from torch._C._functorch import TransformType, _add_batch_dim
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _reference, _subgraph, _transforms
+from hop import _observe, _reference, _subgraph, _transforms
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
@@ -49,6 +49,7 @@ __all__ = ["associative_scan", "associative_scan_op"]
 
 Fn = Callable[..., Any]
 _NAME = "associative_scan"
+_SINKS = _observe.SINKS
 _MODES = ("pointwise", "generic")
 
 
@@ -84,6 +85,8 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
         return _reference.reference_associative_scan(combine_fn, xs, dim, reverse, combine_mode)
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return associative_scan_op(DYNAMO_CALL, associative_scan, combine_fn, xs, dim, reverse, combine_mode)
+    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
+        return _observe.watch(_NAME, associative_scan, (combine_fn, xs, dim, reverse, combine_mode))
     check_options(combine_fn, reverse, combine_mode)
     leaves, spec = lp.flatten_dropping_none(xs)
     dims, n = lp.check_xs(_NAME, xs, leaves, dim)

@@ -17,7 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _reference, config
+from hop import _observe, _reference, config
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, functorch_level, is_dynamo_compiling, mode_stack_len, tf_mode_enabled
@@ -34,6 +34,7 @@ _ONCE = "once"
 _grad_enabled = torch.is_grad_enabled
 _INT_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 _VERDICTS = validation._VERDICTS
+_SINKS = _observe.SINKS
 
 
 def cond(
@@ -70,6 +71,8 @@ def cond(
         return _reference.reference_cond(pred, true_fn, false_fn, operands)
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return cond_op(DYNAMO_CALL, cond, pred, true_fn, false_fn, operands)
+    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
+        return _observe.watch("cond", cond, (pred, true_fn, false_fn, operands))
     if type(pred) is bool:
         for role, fn in (("true_fn", true_fn), ("false_fn", false_fn)):
             if not callable(fn):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hop import _reference, _subgraph, _transforms
+from hop import _observe, _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops.while_loop import while_loop, while_loop_op
@@ -21,6 +21,7 @@ from hop.ops.while_loop import while_loop, while_loop_op
 __all__ = ["fori_loop"]
 
 _NAME = "fori_loop"
+_SINKS = _observe.SINKS
 
 
 def fori_loop(
@@ -50,6 +51,8 @@ def fori_loop(
         return _reference.reference_fori_loop(lower, upper, body_fn, init_val)
     if _transforms.is_dynamo_compiling():  # Note [public functions under Dynamo]; the op is a while_loop
         return while_loop_op(_transforms.DYNAMO_CALL, fori_loop, lower, upper, body_fn, init_val)
+    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
+        return _observe.watch(_NAME, fori_loop, (lower, upper, body_fn, init_val))
     if not callable(body_fn):
         raise HopTypeError(
             format_message(_NAME, f"body_fn must be callable, got {type_name(body_fn)}"), op=_NAME, role="body_fn"
@@ -65,6 +68,8 @@ def fori_loop(
         and all(_transforms.is_plain_tensor(x) or type(x) is int for x in leaves)
     ):
         _validate_once(lower, body_fn, init_val, leaves, spec)
+        if _SINKS:
+            _observe.note(_NAME, inline=True, trips=max(upper - lower, 0))
         val = init_val
         for i in range(lower, upper):
             val = body_fn(i, val)

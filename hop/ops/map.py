@@ -17,7 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _reference, _subgraph
+from hop import _observe, _reference, _subgraph
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.ops import _looping as lp
@@ -26,6 +26,7 @@ from hop.ops._branching import as_tuple
 __all__ = ["map", "map_op"]
 
 Fn = Callable[..., Any]
+_SINKS = _observe.SINKS
 
 
 def map(f: Fn, xs: Any, *args: Any) -> Any:
@@ -54,6 +55,8 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
         return _reference.reference_map(f, xs, *args)
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return map_op(DYNAMO_CALL, map, f, xs, *args)
+    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
+        return _observe.watch("map", map, (f, xs, *args))
     lp.check_callable("map", "f", f)
     xs_leaves, xs_spec = lp.flatten_dropping_none(xs)
     arg_leaves, args_spec = lp.flatten_dropping_none(args)

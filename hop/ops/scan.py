@@ -17,7 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _reference, _subgraph
+from hop import _observe, _reference, _subgraph
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, format_message, type_name
@@ -27,6 +27,7 @@ from hop.ops._branching import as_tuple
 __all__ = ["scan", "scan_op"]
 
 Fn = Callable[..., Any]
+_SINKS = _observe.SINKS
 _PAIR = (tuple, list)
 
 
@@ -71,6 +72,10 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         result: tuple[Any, Any] = scan_op(DYNAMO_CALL, scan, combine_fn, init, xs, dim=dim, reverse=reverse)
         return result
+    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
+        kwargs = {"dim": dim, "reverse": reverse}
+        watched: tuple[Any, Any] = _observe.watch("scan", scan, (combine_fn, init, xs), kwargs)
+        return watched
     lp.check_callable("scan", "combine_fn", combine_fn)
     if type(reverse) is not bool:
         raise HopTypeError(

@@ -17,7 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _reference
+from hop import _observe, _reference
 from hop._operator import HigherOrderOperator
 from hop._transforms import (
     DYNAMO_CALL,
@@ -38,6 +38,7 @@ _INDEX_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 
 Fn = Callable[..., Any]
 _check: Callable[..., None] = torch._check  # untyped in torch
+_SINKS = _observe.SINKS
 
 
 def switch(
@@ -70,6 +71,8 @@ def switch(
         return _reference.reference_switch(index, branches, operands)
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return switch_op(DYNAMO_CALL, switch, index, branches, operands)
+    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
+        return _observe.watch("switch", switch, (index, branches, operands))
     if (
         type(index) is _Tensor
         and type(operands) is tuple

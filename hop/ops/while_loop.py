@@ -28,7 +28,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _reference, _subgraph, _transforms
+from hop import _observe, _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording
@@ -43,6 +43,7 @@ __all__ = ["while_loop", "while_loop_op"]
 Fn = Callable[..., Any]
 _Tensor = torch.Tensor
 _NAME = "while_loop"
+_SINKS = _observe.SINKS
 
 
 def while_loop(
@@ -84,6 +85,8 @@ def while_loop(
     if _transforms.is_dynamo_compiling():  # Note [public functions under Dynamo]
         dynamo_call = _transforms.DYNAMO_CALL
         return while_loop_op(dynamo_call, while_loop, cond_fn, body_fn, carried_inputs, checkpoint=checkpoint)
+    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
+        return _observe.watch(_NAME, while_loop, (cond_fn, body_fn, carried_inputs), {"checkpoint": checkpoint})
     _check_arguments(cond_fn, body_fn, carried_inputs)
     _checkpoint.check_flag(checkpoint)
     leaves, spec = _subgraph.flatten(tuple(carried_inputs))
@@ -96,6 +99,8 @@ def while_loop(
         if checkpoint:
             out = _checkpoint.run(flat_cond, flat_body, leaves, _subgraph.closure_tensors((cond_fn, body_fn)))
             return _subgraph.unflatten(list(out), spec)
+        if _SINKS:  # count the trips
+            cond_fn = _observe.counted(_NAME, cond_fn)
         return _run_eager(cond_fn, body_fn, carried_inputs, leaves)
     with _checkpointing(checkpoint):  # read by the autograd node (Note [reverse mode of a traced loop])
         out = while_loop_op(flat_cond, flat_body, tuple(leaves), ())
@@ -230,6 +235,8 @@ def _run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[An
         carry = _contiguous(carry)
         body = body_fn
         body_fn = lambda *a: _contiguous(as_tuple(body(*a)))  # noqa: E731
+    if _SINKS:  # count the trips (under a transform, or the raw op in eager)
+        cond_fn = _observe.counted(_NAME, cond_fn)
     while True:
         pred = _truth(cond_fn(*carry, *additional))
         if type(pred) is bool or not _is_batched(pred):

@@ -1,0 +1,134 @@
+"""The ``"call"`` record of one public call (Note [watching a call] in ``hop._observe``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hop import config
+from hop._observe import Frame
+from hop.debug import DispatchRecord
+
+__all__ = ["call_record"]
+
+# operators whose public function has a fast path beside its general eager path
+_FAST = ("cond", "switch")
+# operators whose eager calls validate once per signature
+_VALIDATED = ("cond", "switch", "while_loop", "fori_loop")
+
+
+def call_record(
+    frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any], elapsed_us: float, error: BaseException | None
+) -> DispatchRecord:
+    """What ``frame`` learned, completed from the call's arguments where the eager
+    fast path (which notes nothing) decided."""
+    eager = frame.landing is None
+    if eager and error is None:
+        _FACTS.get(frame.op, _no_facts)(frame, args, kwargs)
+        if frame.op in _VALIDATED and frame.validation is None and frame.detail is None:
+            # the fast path read the verdict cache directly (validate "once") or skipped it
+            frame.validation = "off" if config.validate == "never" else "cached"
+    if eager:
+        key, route, kernel = "eager", "fast-path" if frame.op in _FAST and not frame.inline else "inline", None
+        detail = frame.detail
+    else:
+        landing = frame.landing
+        assert landing is not None
+        key, route, kernel, detail = landing.key, landing.route, landing.kernel, landing.detail
+    if frame.traced:  # a branch may have run to give the node's value: not the program's choice
+        frame.branch, frame.trips = None, None
+        detail = f"{detail}; traced" if detail else "traced"
+    if error is not None:
+        detail = f"raised {type(error).__name__}" + (f"; {detail}" if detail else "")
+    return DispatchRecord(
+        frame.op,
+        key,
+        route,
+        kernel,
+        detail,
+        kind="call",
+        role=_role(frame.op, frame.branch),
+        branch=frame.branch,
+        trips=frame.trips,
+        length=frame.length,
+        validation=frame.validation,
+        validation_us=frame.validation_us or None,
+        closures=tuple(frame.closures),
+        elapsed_us=elapsed_us,
+        depth=frame.depth,
+    )
+
+
+def _role(op: str, branch: int | None) -> str | None:
+    if branch is None:
+        return None
+    if op == "cond":
+        return ("true_fn", "false_fn")[branch]
+    return f"branches[{branch}]"
+
+
+def _no_facts(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    pass
+
+
+def _cond(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    _branch(frame, bool, "a Python bool pred", 0 if args[0] else 1, args[0])  # eager: pred has a value
+
+
+def _switch(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    _branch(frame, int, "a Python int index", int(args[0]), args[0])
+
+
+def _branch(frame: Frame, python: type, what: str, k: int, selector: Any) -> None:
+    """The fast path notes nothing: the branch is the one the selector's value picks."""
+    if type(selector) is python:
+        frame.detail, frame.inline = f"{what}: the branch just runs", True
+    elif type(selector).__module__ == "numpy":  # the call with its Python value is the record before
+        frame.detail, frame.inline = f"a numpy {type(selector).__name__}: run as a Python value", True
+    if frame.branch is None:
+        frame.branch = k
+
+
+def _length(xs: Any, dim: Any) -> int | None:
+    from hop.ops._looping import flatten_dropping_none as flatten
+
+    leaves = [x for x in flatten(xs)[0] if isinstance(x, torch.Tensor)]
+    if not leaves or type(dim) is not int or not -leaves[0].dim() <= dim < leaves[0].dim():
+        return None
+    n = leaves[0].shape[dim]
+    return n if type(n) is int else None
+
+
+def _scan(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    frame.length = frame.trips = _length(args[2], kwargs.get("dim", 0))
+
+
+def _map(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    frame.length = frame.trips = _length(args[1], 0)
+
+
+def _associative_scan(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    frame.length = _length(args[1], args[2])
+
+
+def _while_loop(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if kwargs.get("checkpoint"):
+        frame.detail = "checkpointed"
+
+
+def _fori_loop(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if not frame.inline:
+        frame.detail = "as hop.while_loop (its record is the one before)"
+
+
+_FACTS: dict[str, Callable[[Frame, tuple[Any, ...], dict[str, Any]], None]] = {
+    "cond": _cond,
+    "switch": _switch,
+    "scan": _scan,
+    "map": _map,
+    "associative_scan": _associative_scan,
+    "while_loop": _while_loop,
+    "fori_loop": _fori_loop,
+}
