@@ -43,6 +43,7 @@ __all__ = [
     "check_same_outputs",
     "trace_subgraph",
     "trace_example",
+    "unknown_value",
     "trace_branches",
     "closure_tensors",
     "emit",
@@ -245,7 +246,26 @@ def trace_example(value: Any) -> Any:
 
     if is_plain_tensor(value):  # real data
         return value.detach().clone(memory_format=torch.contiguous_format)
-    return torch.empty_like(value, memory_format=torch.contiguous_format)
+    return unknown_value(value.new_empty(value.shape))
+
+
+def unknown_value(value: Any) -> Any:
+    """``value``, or for a fake tensor whose value FakeTensorMode knows (a one-element
+    literal's, such as a counter's ``torch.tensor(0)``, or what such a value propagated
+    to) a fresh one of its metadata that knows none.
+
+    A loop's carries change between iterations: a body run or traced on a known value
+    would bake that value in (``w[i]`` with the counter read as 0 every step), and
+    FakeTensorMode propagates a known value through ``new_empty``/``empty_like`` as
+    uninitialized memory, an arbitrary number."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(value, FakeTensor) or value.constant is None:
+        return value
+    fresh = value.new_empty(value.shape)
+    assert isinstance(fresh, FakeTensor)  # made in value's fake mode
+    fresh.constant = None
+    return fresh
 
 
 # The global names each code object loads, the code nested in it included (lambdas,

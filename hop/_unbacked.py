@@ -368,6 +368,7 @@ def _fixpoint(
     from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
 
     varying: list[set[int]] = [set() for _ in carried]
+    carried = tuple(_subgraph.unknown_value(c) for c in carried)  # a literal's value is the first step's only
     current, out = carried, carried
     for _ in range(8):
         ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else nullcontext()

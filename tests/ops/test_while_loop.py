@@ -713,3 +713,30 @@ def test_training_through_torch_compile_aot_eager() -> None:
         got = torch.autograd.grad(compiled(x.requires_grad_())[1].sum(), (x, m.rate))
         want = torch.autograd.grad(m(x)[1].sum(), (x, m.rate))
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["fake", "symbolic"])
+def test_a_literal_counter_is_not_baked_into_the_traced_body(mode: str) -> None:
+    # torch.tensor(0) is a value FakeTensorMode knows: traced on it (or on what
+    # empty_like makes of it: uninitialized memory) the body read one fixed index
+    w = torch.randn(5, 2)
+
+    def reads_the_counter(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return hop.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v + w[i]), (torch.tensor(0), x))[1]
+
+    with pytest.raises(Exception, match="data-dependent"):  # as for plain code: w[i] needs i's value
+        make_fx(reads_the_counter, tracing_mode=mode)(torch.zeros(2), w)
+
+    def selects_by_the_counter(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        step = lambda i, v: (i + 1, v + w.index_select(0, i.reshape(1))[0])  # noqa: E731
+        return hop.while_loop(lambda i, v: i < 3, step, (torch.tensor(0), x))[1]
+
+    gm = make_fx(selects_by_the_counter, tracing_mode=mode)(torch.zeros(2), w)
+    torch.testing.assert_close(gm(torch.zeros(2), w), w[:3].sum(0))
+    shapes = make_fx(
+        lambda x: hop.while_loop(
+            lambda i, v: i < 3, lambda i, v: (i + 1, v.new_ones(v.shape[0] + i.item())[:2]), (torch.tensor(0), x)
+        )[1],
+        tracing_mode="symbolic",
+    )(torch.zeros(2))
+    torch.testing.assert_close(shapes(torch.zeros(2)), torch.ones(2))
