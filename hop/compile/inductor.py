@@ -92,7 +92,7 @@ def _register(lowering: ModuleType) -> None:
     lowering.register_lowering(while_loop_op, type_promotion_kind=None)(functools.partial(_lower_while, torch_while))
     for op in rw.REWRITES:
         lowering.register_lowering(op, type_promotion_kind=None)(_not_rewritten(op.name()))
-    _install_pass()
+    _install_pass()  # again: a pass set since the config loaded goes after hop's
     # Inductor's fake-tensor updater warns for every HOP whose layout it does not
     # know; hop's subgraphs need no update there (Inductor then updates them all).
     names = "|".join(op.name() for op in (cond_op, while_loop_op, *rw.REWRITES))
@@ -250,9 +250,13 @@ def _install_pass() -> None:
 
 def chain(passes: Any) -> list[Any]:
     """``passes`` (a pass, a list of them or None) with hop's pass first, once:
-    ``config.post_grad_custom_pre_pass = hop.compile.inductor.chain(my_pass)``."""
+    ``config.post_grad_custom_pre_pass = hop.compile.inductor.chain(my_pass)``. A list
+    that holds hop's pass already is kept as it is (``hop.passes.inductor`` puts its
+    optimize pass before it, on purpose)."""
     listed = [] if passes is None else list(passes) if isinstance(passes, (list, tuple)) else [passes]
-    return [POST_GRAD_PASS, *(p for p in listed if p is not POST_GRAD_PASS)]
+    if POST_GRAD_PASS in listed:
+        return listed
+    return [POST_GRAD_PASS, *listed]
 
 
 class PostGradPass:
@@ -350,3 +354,7 @@ def _graph_module(root: Any, arg: Any) -> Any:
 POST_GRAD_PASS = PostGradPass()
 
 on_import("torch._inductor.lowering", _register)
+# As soon as the config exists: a user's config.patch(post_grad_custom_pre_pass=...)
+# then saves and restores a value that holds hop's pass (installed at the first
+# compile instead, inside such a patch, it would be lost when the patch ends).
+on_import("torch._inductor.config", lambda config: _install_pass())

@@ -1,18 +1,17 @@
 """hop.passes in ``torch.compile``: :func:`hop.passes.optimize` as an Inductor post-grad pass.
 
-Inductor runs ``torch._inductor.config.post_grad_custom_post_pass`` on the post-grad
-graph of every compiled program, after its own pattern passes and before lowering.
-There hop's ``cond`` and ``while_loop`` (``fori_loop``) are still ``torch.ops.hop.*``
-nodes with GraphModule subgraphs, as in a traced program; ``switch``, ``map``, ``scan``
-and ``associative_scan`` were already rewritten into torch's own control flow by
-hop's ``post_grad_custom_pre_pass`` (:mod:`hop.compile.inductor`), which this pass
-leaves alone. Turn it on with::
+Inductor runs ``torch._inductor.config.post_grad_custom_pre_pass`` on the post-grad
+graph of every compiled program, before its own pattern passes and lowering. hop's
+own pre-pass (:mod:`hop.compile.inductor`) is there already: it rewrites ``switch``,
+``map``, ``scan`` and ``associative_scan`` into torch's control flow. The optimize
+pass goes before it, where every hop operator is still a ``torch.ops.hop.*`` node
+with GraphModule subgraphs, as in a traced program. Turn it on with::
 
     import hop.passes.inductor
-    hop.passes.inductor.enable()  # or: config.post_grad_custom_post_pass = hop.passes.inductor.chain(my_pass)
+    hop.passes.inductor.enable()  # or: config.post_grad_custom_pre_pass = hop.passes.inductor.chain(my_pass)
 
 Private torch internals touched here (checked on torch 2.13):
-``torch._inductor.config.post_grad_custom_post_pass`` and
+``torch._inductor.config.post_grad_custom_pre_pass`` and
 ``torch._inductor.custom_graph_pass.CustomGraphPass`` / ``get_hash_for_files``.
 """
 
@@ -26,6 +25,7 @@ import torch.fx
 from torch._inductor import config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from hop.compile import inductor as inductor_bridge
 from hop.passes import _program
 from hop.passes.optimize import optimize
 
@@ -57,19 +57,21 @@ class OptimizePass(CustomGraphPass):
 
 OPTIMIZE_PASS = OptimizePass()
 
-# The hop operators a post-grad graph can still hold (the others are rewritten by then).
+# The hop operators the passes simplify.
 _OPS = (torch.ops.hop.cond, torch.ops.hop.switch, torch.ops.hop.while_loop, torch.ops.hop.map, torch.ops.hop.scan)
 
 
 def chain(passes: Any) -> list[Any]:
-    """``passes`` (a pass, a list of them or None) with :data:`OPTIMIZE_PASS` first, once:
-    ``config.post_grad_custom_post_pass = hop.passes.inductor.chain(my_pass)``."""
+    """The pre-pass list that runs :data:`OPTIMIZE_PASS`, then hop's own rewrite, then
+    ``passes`` (a pass, a list of them or None), each once:
+    ``config.post_grad_custom_pre_pass = hop.passes.inductor.chain(my_pass)``."""
     listed = [] if passes is None else list(passes) if isinstance(passes, (list, tuple)) else [passes]
-    return [OPTIMIZE_PASS, *(p for p in listed if p is not OPTIMIZE_PASS)]
+    return [OPTIMIZE_PASS, *inductor_bridge.chain([p for p in listed if p is not OPTIMIZE_PASS])]
 
 
 def enable() -> None:
-    """Put :data:`OPTIMIZE_PASS` first in ``torch._inductor.config.post_grad_custom_post_pass``,
-    keeping the passes already there. Inductor's config is per context: call it in the
-    thread that compiles (or use ``config.patch(post_grad_custom_post_pass=chain(...))``)."""
-    config.post_grad_custom_post_pass = chain(config.post_grad_custom_post_pass)
+    """Put :data:`OPTIMIZE_PASS` first in ``torch._inductor.config.post_grad_custom_pre_pass``,
+    keeping hop's own rewrite and the passes already there. Inductor's config is per
+    context: call it in the thread that compiles (or use
+    ``config.patch(post_grad_custom_pre_pass=chain(...))``)."""
+    config.post_grad_custom_pre_pass = chain(config.post_grad_custom_pre_pass)

@@ -305,7 +305,25 @@ def test_chain_puts_hops_pass_first_once() -> None:
 
     assert chain(None) == [POST_GRAD_PASS]
     assert chain(mine) == [POST_GRAD_PASS, mine]
-    assert chain([mine, POST_GRAD_PASS]) == [POST_GRAD_PASS, mine]
+    assert chain([mine, POST_GRAD_PASS]) == [mine, POST_GRAD_PASS]  # a list holding it is kept as it is
+
+
+_FIRST_COMPILE_IN_A_PATCH = """
+import torch, hop
+import torch._inductor.config as config
+scan = lambda xs: hop.scan(lambda c, x: (c + x, c * x), torch.zeros(2), xs)
+xs = torch.randn(3, 2)
+with config.patch(post_grad_custom_pre_pass=hop.compile.inductor.chain(lambda graph: None)):
+    torch.testing.assert_close(torch.compile(scan, backend="inductor")(xs), scan(xs))
+torch._dynamo.reset()  # after the patch, hop's pass is still the default
+torch.testing.assert_close(torch.compile(lambda xs: scan(xs * 2), backend="inductor")(xs), scan(xs * 2))
+print("ok")
+"""
+
+
+def test_the_first_compile_inside_a_config_patch_keeps_hops_pass_afterwards() -> None:
+    proc = subprocess.run([sys.executable, "-c", _FIRST_COMPILE_IN_A_PATCH], capture_output=True, text=True, cwd=ROOT)
+    assert proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 def test_a_pass_set_without_hops_is_explained() -> None:

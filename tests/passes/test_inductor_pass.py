@@ -1,4 +1,4 @@
-"""hop.passes.inductor: optimize as Inductor's post-grad custom pass, under torch.compile."""
+"""hop.passes.inductor: optimize as Inductor's post-grad custom pre-pass, under torch.compile."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from hop.passes.inductor import OPTIMIZE_PASS, chain, enable
 
 
 def model(x: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """A loop with an invariant projection, a cond with a common prefix, and a switch
-    (rewritten by hop's own pre-pass before this pass runs)."""
+    """A loop with an invariant projection, a cond and a switch with common prefixes
+    (the switch is rewritten by hop's own pre-pass, after this pass ran)."""
     h = hop.fori_loop(0, 3, lambda i, h: (h @ (w.t() @ w)).tanh(), x)
     g = hop.cond(h.sum() > 0, lambda v: v.sin() * 2, lambda v: v.sin() + 1, (h,))
-    return hop.switch(k, [lambda v: v + 1, lambda v: v.exp()], (g,))
+    return hop.switch(k, [lambda v: v.cos() + 1, lambda v: v.cos().exp()], (g,))
 
 
 def test_compiled_models_get_the_passes() -> None:
@@ -26,7 +26,7 @@ def test_compiled_models_get_the_passes() -> None:
         graphs.append(graph.owning_module)
 
     torch._dynamo.reset()
-    with config.patch(post_grad_custom_post_pass=chain(user_pass), fx_graph_cache=False):
+    with config.patch(post_grad_custom_pre_pass=chain(user_pass), fx_graph_cache=False):
         compiled = torch.compile(model, backend="inductor", fullgraph=True)
         g = torch.Generator().manual_seed(0)
         w = torch.randn(3, 3, generator=g) / 2
@@ -41,6 +41,9 @@ def test_compiled_models_get_the_passes() -> None:
     assert body.code.count("aten.mm") == 1 and top.code.count("aten.mm") == 1  # w.t() @ w, once
     (cond,) = called(top, torch.ops.hop.cond)
     assert "aten.sin" in top.code and "aten.sin" not in getattr(top, cond.args[1].target).code  # type: ignore[union-attr]
+    # the switch's common cos moved out before hop's rewrite made it nested conds
+    assert top.code.count("aten.cos") == 1
+    assert not any("aten.cos" in m.code for m in top.modules() if m is not top and isinstance(m, torch.fx.GraphModule))
 
 
 def chain_of(passes: object) -> list[object]:
@@ -51,14 +54,14 @@ def test_enable_and_chain_keep_other_passes() -> None:
     def mine(graph: torch.fx.Graph) -> None:
         pass
 
-    with config.patch(post_grad_custom_post_pass=None):
+    with config.patch(post_grad_custom_pre_pass=None):
         enable()
-        assert config.post_grad_custom_post_pass == [OPTIMIZE_PASS]
-    with config.patch(post_grad_custom_post_pass=mine):
+        assert config.post_grad_custom_pre_pass == [OPTIMIZE_PASS, POST_GRAD_PASS]
+    with config.patch(post_grad_custom_pre_pass=mine):
         enable()
         enable()  # twice: still once
-        assert config.post_grad_custom_post_pass == [OPTIMIZE_PASS, mine]
-    assert chain([mine, OPTIMIZE_PASS]) == [OPTIMIZE_PASS, mine]
+        assert config.post_grad_custom_pre_pass == [OPTIMIZE_PASS, POST_GRAD_PASS, mine]
+    assert chain([mine, OPTIMIZE_PASS]) == [OPTIMIZE_PASS, POST_GRAD_PASS, mine]
     assert isinstance(OPTIMIZE_PASS.uuid(), bytes) and OPTIMIZE_PASS.uuid() == OPTIMIZE_PASS.uuid()
 
 
