@@ -109,8 +109,10 @@ class _Outputs:
             self.kind = validation.output_kind(out)
             return
         j, ref = self.first
+        (a, out_a), (c, out_c) = sorted(((j, ref), (k, metas)), key=lambda pair: pair[0])
+        # in the branches' order, whichever ran first (eager runs the taken one first)
         _subgraph.check_same_outputs(
-            self.b.name, (self.roles[j], self.roles[k]), (ref, metas), fns=(self.fns[j], self.fns[k])
+            self.b.name, (self.roles[a], self.roles[c]), (out_a, out_c), fns=(self.fns[a], self.fns[c])
         )
 
 

@@ -50,6 +50,7 @@ from hop.ops._common import check_effects, differentiable, differentiable_at, sa
 Fn = Callable[..., Any]
 _Tensor = torch.Tensor
 _PAIR = (tuple, list)
+_check: Callable[..., None] = torch._check  # untyped in torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,7 @@ def check_xs(name: str, xs: Any, leaves: Sequence[torch.Tensor], dim: Any) -> tu
         dims.append(dim % x.dim())
     n = leaves[0].shape[dims[0]]
     for path, x, d in zip(paths[1:], leaves[1:], dims[1:], strict=True):
-        if not _same_size(x.shape[d], n):
+        if not _lengths_agree(x.shape[d], n, f"hop.{name}: {path} and {paths[0]} must have the same length"):
             raise HopValueError(
                 format_message(
                     name,
@@ -163,6 +164,21 @@ def check_xs(name: str, xs: Any, leaves: Sequence[torch.Tensor], dim: Any) -> tu
                 path=path,
             )
     return dims, n
+
+
+def _lengths_agree(a: Any, b: Any, message: str) -> bool:
+    """Whether two leaves of xs have the same length: known equal, or symbols the trace
+    may take as equal (a Dim shared by two inputs is two symbols until something
+    guards their equality: this does, as torch's own ops do for the shapes they
+    combine; a data-dependent length gets a runtime assert instead)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_or_false
+
+    if _same_size(a, b) or guard_or_false(a == b):
+        return True
+    if free_unbacked_symbols(a) or free_unbacked_symbols(b):
+        _check(a == b, lambda: message)
+        return True
+    return False
 
 
 def _same_size(a: Any, b: Any) -> bool:

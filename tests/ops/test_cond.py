@@ -810,3 +810,17 @@ def test_branches_building_tensors_from_python_data_trace_and_export() -> None:
     inputs = [(torch.tensor(True), torch.randn(3)), (torch.tensor(False), torch.randn(3))]
     check_make_fx(builds_tensors, cond_op, inputs[0], inputs)
     check_export(Programs(builds_tensors), cond_op, inputs[0], inputs)
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_mismatch_names_the_branches_in_their_order_whichever_was_taken(taken: bool) -> None:
+    def double(a: torch.Tensor) -> torch.Tensor:
+        return a.double()
+
+    def same(a: torch.Tensor) -> torch.Tensor:
+        return a
+
+    with pytest.raises(
+        OutputMismatchError, match=r"^hop\.cond: true_fn and false_fn disagree at output: dtype float32 vs float64"
+    ):
+        hop.cond(torch.tensor(taken), same, double, (torch.ones(2),))

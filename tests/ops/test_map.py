@@ -364,3 +364,26 @@ def test_argument_errors() -> None:
     )
     msg = _error(HopValueError, lambda x: x, torch.tensor(1.0))
     assert msg == "hop.map: xs: dim 0 is out of range for a tensor of rank 0. Pass tensors of rank >= 1."
+
+
+class _TwoSequences(torch.nn.Module):
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> Any:
+        if self.op == "map":
+            return hop.map(lambda t: t[0].sum() + t[1].sum(), (a, b))
+        if self.op == "scan":
+            return hop.scan(lambda c, r: (c + r[0].sum() * r[1].mean(), r[0] * c), torch.zeros(()), (a, b))
+        return hop.associative_scan(lambda l, r: (l[0] + r[0], l[1] * r[1]), (a, b), 0)
+
+
+@pytest.mark.parametrize("op", ["map", "scan", "associative_scan"])
+def test_export_with_one_dim_shared_by_two_leaves_of_xs(op: str) -> None:
+    # two inputs of one Dim are two symbols until something guards them equal
+    length = torch.export.Dim("length")
+    model = _TwoSequences(op)
+    ep = torch.export.export(model, (torch.randn(5, 2), torch.randn(5, 2)), dynamic_shapes=({0: length}, {0: length}))
+    a, b = torch.randn(7, 2), torch.randn(7, 2)
+    torch.testing.assert_close(ep.module()(a, b), model(a, b))
