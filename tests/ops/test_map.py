@@ -376,7 +376,7 @@ class _TwoSequences(torch.nn.Module):
             return hop.map(lambda t: t[0].sum() + t[1].sum(), (a, b))
         if self.op == "scan":
             return hop.scan(lambda c, r: (c + r[0].sum() * r[1].mean(), r[0] * c), torch.zeros(()), (a, b))
-        return hop.associative_scan(lambda l, r: (l[0] + r[0], l[1] * r[1]), (a, b), 0)
+        return hop.associative_scan(lambda p, q: (p[0] + q[0], p[1] * q[1]), (a, b), 0)
 
 
 @pytest.mark.parametrize("op", ["map", "scan", "associative_scan"])
