@@ -137,6 +137,33 @@ def test_raw_ops_trace(name: str, requires_grad: bool) -> None:
     _check_like_eager(_trace(RAW[name], requires_grad), RAW[name], requires_grad)
 
 
+@pytest.mark.parametrize("name", ["scan", "map", "associative_scan"])
+def test_empty_loops_trace(name: str) -> None:
+    empty = torch.randn(0, 4)
+    traced = torch.jit.trace(LOOPS[name], (empty,), check_trace=False)
+    torch.testing.assert_close(traced(empty), LOOPS[name](empty))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hop.scan(lambda c, r: (self.lin(c + r).tanh(), c), torch.zeros(4), x)[1].sum()
+
+
+def test_a_traced_model_gives_its_parameters_gradients() -> None:
+    # the input needs no grad: the parameters the body closes over do
+    model, x = _Model(), _positive()
+    traced = torch.jit.trace(model, (x,), check_trace=False)
+    assert "PythonOp" not in str(traced.graph)
+    params = list(model.parameters())
+    got, want = torch.autograd.grad(traced(x), params), torch.autograd.grad(model(x), params)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
 def test_the_scan_is_unrolled() -> None:
     traced = _trace(_scan, requires_grad=False)
     assert str(traced.graph).count("aten::tanh") == 5
