@@ -22,11 +22,12 @@ operator would:
 6. Backend keys (CPU, CUDA, Meta, ...): a per-backend kernel or the
    ``CompositeExplicitAutograd`` dense kernel.
 
-Keys no HOP handles (autocast, ADInplaceOrView, BackendSelect, ...) fall
-through. Each kernel runs with the layers above it out of the way: the mode it
-serves is popped, autograd is excluded below the autograd route, functorch rules
-lower their interpreter themselves. Every guard and popped mode is a context
-manager, so all of it is restored when a kernel raises.
+Keys no HOP handles (autocast, ADInplaceOrView, BackendSelect, the JIT
+tracer's: Note [the JIT tracer's key]) fall through. Each kernel runs with the
+layers above it out of the way: the mode it serves is popped, autograd is
+excluded below the autograd route, functorch rules lower their interpreter
+themselves. Every guard and popped mode is a context manager, so all of it is
+restored when a kernel raises.
 
 Plain eager calls (no mode, no transform, no torch-function mode, plain
 tensors that need no grad) take a fast path decided with a handful of cheap
@@ -81,6 +82,19 @@ _PRE_DISPATCH = _K.PreDispatch
 _FUNCTIONALIZE = _K.Functionalize
 _AUTOGRAD = _K.AutogradFunctionality
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(_K.Python)  # the backend keys
+
+# Note [the JIT tracer's key]
+# While torch.jit.trace runs, the TLS include set holds the Tracer key, which
+# Python's DispatchKey does not name (a kernel lookup for it reports "???"). The
+# tracer records the aten ops a kernel runs; a hop operator itself has nothing to
+# record (on real tensors its rules run the callables inline, which the tracer
+# unrolls as the Python loop they replace), so the key falls through, as autocast
+# does. It is the one functionality key between AutogradNestedTensor and AutocastCPU.
+TRACER_KEYS = (
+    torch._C._dispatch_keyset_full_after(_K.AutocastCPU)
+    - torch._C._dispatch_keyset_full_after(_K.AutogradNestedTensor)
+    - DispatchKeySet(_K.AutogradNestedTensor)
+)
 
 
 # --- argument walking -----------------------------------------------------

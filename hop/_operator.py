@@ -128,6 +128,8 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             else:
                 registry[name] = previous  # type: ignore[assignment]
         self._ns = "hop"
+        # Note [the JIT tracer's key] (hop._dispatch)
+        self.non_fallthrough_keys = self.non_fallthrough_keys - _dispatch.TRACER_KEYS
         self.__module__ = "torch.ops.hop"
         self.__qualname__ = name
         # hop's resolved-kernel cache per dispatch key; cleared on registration.

@@ -8,8 +8,9 @@ are arguments (the words of a message, the values to look at).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx
@@ -17,9 +18,21 @@ import torch.fx
 from hop import _subgraph, _transforms
 from hop.errors import MutationError, format_message
 
-__all__ = ["check_effects", "differentiable", "differentiable_at", "runs_inline", "save_operands", "saved_operands"]
+__all__ = [
+    "check_effects",
+    "differentiable",
+    "differentiable_at",
+    "runs_inline",
+    "save_operands",
+    "saved_operands",
+    "static_size",
+    "untraced",
+]
 
 _Tensor = torch.Tensor
+_T = TypeVar("_T")
+_tracing_state: Callable[[], Any] = torch._C._get_tracing_state
+_set_tracing_state: Callable[[Any], None] = torch._C._set_tracing_state  # type: ignore[attr-defined]
 
 
 def differentiable(x: Any) -> bool:
@@ -37,6 +50,39 @@ def runs_inline(*groups: Sequence[Any]) -> bool:
     every family then run the callables as plain Python at the current level (Note
     [eager branches run inline], Note [scans run inline], Note [loops run inline])."""
     return _transforms.no_modes() and all(_transforms.is_real(v) for group in groups for v in group)
+
+
+# Note [sizes under jit.trace]
+# While torch.jit.trace runs, a tensor's sizes (``x.shape[0]``, ``x.size(0)``) are
+# 0-dim tensors the tracer follows, not ints, so that a traced ``x.view(x.size(0), -1)``
+# generalizes to other sizes. The loops of scan, map and associative_scan run inline
+# there (the values are real) and are unrolled, as the Python loop they replace
+# would be: their lengths and the sizes hop compares are constants of the trace.
+# A length is taken with ``operator.index`` (as ``range(x.shape[0])`` takes it,
+# without a TracerWarning); the eager paths read ints and test ``type(n) is int``
+# before calling :func:`static_size`. The checks that compare the shapes of what a
+# callable returned run with the tracer paused (:func:`untraced`): the values may be
+# vmap's batched ones (associative_scan's generic mode), whose sizes the tracer
+# cannot follow at all, and a check records nothing anyway.
+
+
+def static_size(n: Any) -> Any:
+    """A size read from a tensor: an int where torch.jit.trace gave a tensor (Note
+    [sizes under jit.trace]), else ``n`` as it is (an int or a SymInt)."""
+    return operator.index(n) if isinstance(n, _Tensor) else n
+
+
+def untraced(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` with torch.jit.trace's tracer paused, for a check that only reads
+    sizes (Note [sizes under jit.trace]); outside a trace, just the call."""
+    state = _tracing_state()
+    if state is None:
+        return fn(*args)
+    _set_tracing_state(None)
+    try:
+        return fn(*args)
+    finally:
+        _set_tracing_state(state)
 
 
 def save_operands(ctx: Any, operands: Sequence[Any]) -> None:

@@ -150,6 +150,8 @@ def check_xs(name: str, xs: Any, leaves: Sequence[torch.Tensor], dim: Any) -> tu
             )
         dims.append(dim % x.dim())
     n = leaves[0].shape[dims[0]]
+    if type(n) is not int:
+        n = _common.static_size(n)  # Note [sizes under jit.trace]
     for path, x, d in zip(paths[1:], leaves[1:], dims[1:], strict=True):
         if not _lengths_agree(x.shape[d], n, f"hop.{name}: {path} and {paths[0]} must have the same length"):
             raise HopValueError(
@@ -184,12 +186,20 @@ def _lengths_agree(a: Any, b: Any, message: str) -> bool:
 def _same_size(a: Any, b: Any) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return a is b or bool(statically_known_true(a == b))
+    if a is b:
+        return True
+    if type(a) is int and type(b) is int:
+        return a == b
+    a, b = _common.static_size(a), _common.static_size(b)  # Note [sizes under jit.trace]
+    return bool(statically_known_true(a == b))
 
 
 def runs_inline(n: Any, *groups: Sequence[Any]) -> bool:
     """Note [scans run inline]: real values, nothing tracing, a known length (an empty
-    scan needs fake tensors for its output metadata, so only in plain eager)."""
+    scan needs fake tensors for its output metadata, so only in plain eager). Under
+    torch.jit.trace ``n`` is a tensor: the loop is unrolled (Note [sizes under jit.trace])."""
+    if type(n) is not int:
+        n = _common.static_size(n)
     if type(n) is not int or (n == 0 and _transforms.functorch_level() is not None):
         return False
     return _common.runs_inline(*groups)
@@ -237,16 +247,26 @@ def check_like(name: str, role: str, fn: Fn, ref: Any, out: Any, root: str, pair
             role=role,
             path=root,
         )
-    for path, a, b in zip(leaf_paths_dropping_none(ref, root), ref_leaves, leaves, strict=True):
+    paths = leaf_paths_dropping_none(ref, root)
+    found = _common.untraced(_first_difference, paths, ref_leaves, leaves)  # Note [sizes under jit.trace]
+    if found is not None:
+        path, diff = found
+        raise OutputMismatchError(
+            format_message(name, f"{pair} differ: {diff} {where}", role=role, path=path, fix=fix),
+            op=name,
+            role=role,
+            path=path,
+        )
+    return leaves
+
+
+def _first_difference(paths: Sequence[str], refs: Sequence[Any], leaves: Sequence[Any]) -> tuple[str, str] | None:
+    """The path of the first of ``leaves`` that differs from its ``refs``, and how."""
+    for path, a, b in zip(paths, refs, leaves, strict=True):
         diff = leaf_difference(a, b)
         if diff is not None:
-            raise OutputMismatchError(
-                format_message(name, f"{pair} differ: {diff} {where}", role=role, path=path, fix=fix),
-                op=name,
-                role=role,
-                path=path,
-            )
-    return leaves
+            return path, diff
+    return None
 
 
 def _spec_str(spec: Any) -> str:
@@ -399,15 +419,15 @@ def dense(
     L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
 ) -> Any:
     """The loop over dim 0 of ``xs``, at the current level (Note [scans run inline])."""
-    n = xs[0].shape[0]
+    # Note [traced bodies see contiguous values]
+    traced = isinstance(body, torch.fx.GraphModule)
+    columns = [(x.contiguous() if traced else x).unbind(0) for x in xs]
+    n = len(columns[0])  # an int also under torch.jit.trace (Note [sizes under jit.trace])
     if n == 0:
         return _empty(L, body, init, xs, additional)
     nc = len(init)
-    # Note [traced bodies see contiguous values]
-    traced = isinstance(body, torch.fx.GraphModule)
     # a traced body has no module hooks: skip nn.Module's call path
     step = body.forward if isinstance(body, torch.fx.GraphModule) else body
-    columns = [(x.contiguous() if traced else x).unbind(0) for x in xs]
     carry: Sequence[Any] = tuple(c.contiguous() for c in init) if traced else tuple(init)
     ys: list[Any] = [None] * n
     for i in range(n - 1, -1, -1) if reverse else range(n):

@@ -40,6 +40,7 @@ from hop import _observe, _reference, _subgraph, _transforms
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
+from hop.ops import _common
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
 from hop.ops._common import differentiable, save_operands, saved_operands
@@ -134,26 +135,27 @@ def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
 associative_scan_op = HigherOrderOperator("associative_scan")
 
 
-def _prefix_scan(combine: Fn, elems: Sequence[torch.Tensor], additional: Sequence[Any]) -> list[torch.Tensor]:
-    """Note [parallel prefix]: the inclusive scan of ``elems`` along dim 0."""
-    n = elems[0].shape[0]
+def _prefix_scan(combine: Fn, elems: Sequence[torch.Tensor], additional: Sequence[Any], n: int) -> list[torch.Tensor]:
+    """Note [parallel prefix]: the inclusive scan of ``elems`` (of length ``n``) along dim 0.
+    The lengths are passed down, not read from the slices: under torch.jit.trace a read
+    size is a tensor (Note [sizes under jit.trace] in ``_common``)."""
     if n < 2:
         return list(elems)
     pairs = as_tuple(combine(*[e[0 : n - 1 : 2] for e in elems], *[e[1::2] for e in elems], *additional))
-    odds = _prefix_scan(combine, pairs, additional)
+    odds = _prefix_scan(combine, pairs, additional, n // 2)
     if n > 2:
         rest = as_tuple(combine(*[o[: (n - 1) // 2] for o in odds], *[e[2::2] for e in elems], *additional))
         evens = [torch.cat([e[:1], r]) for e, r in zip(elems, rest, strict=True)]
     else:
         evens = [e[:1] for e in elems]
-    return [_interleave(ev, od) for ev, od in zip(evens, odds, strict=True)]
+    return [_interleave(ev, od, n) for ev, od in zip(evens, odds, strict=True)]
 
 
-def _interleave(evens: torch.Tensor, odds: torch.Tensor) -> torch.Tensor:
-    """``[e0, o0, e1, o1, ...]`` (``evens`` may have one more element)."""
-    m = odds.shape[0]
+def _interleave(evens: torch.Tensor, odds: torch.Tensor, n: int) -> torch.Tensor:
+    """``[e0, o0, e1, o1, ...]``, ``n`` elements in all (``evens`` has one more when ``n`` is odd)."""
+    m = n // 2
     both = torch.stack([evens[:m], odds], dim=1).flatten(0, 1)
-    return both if evens.shape[0] == m else torch.cat([both, evens[m:]])
+    return torch.cat([both, evens[m:]]) if n % 2 else both
 
 
 @associative_scan_op.py_impl(DispatchKey.CompositeExplicitAutograd)
@@ -164,7 +166,10 @@ def associative_scan_dense(
     combine = combine_fn
     if combine_mode == "generic":
         combine = torch.vmap(combine_fn, in_dims=(*[0] * (2 * nx), *[None] * len(additional_inputs)))
-    out = _prefix_scan(combine, xs, additional_inputs)
+    n = xs[0].shape[0]
+    if type(n) is not int:
+        n = _common.static_size(n)  # Note [sizes under jit.trace]
+    out = _prefix_scan(combine, xs, additional_inputs, n)
     return lp.pack(lp.no_alias(out, [*xs, *additional_inputs]))
 
 
