@@ -352,3 +352,47 @@ def test_strict_export_gives_non_strict_exports_program(op: str) -> None:
     other = -X[:3]  # another size
     for ep in (strict, loaded, decomposed):
         assert_close(ep.module()(other), module(other))
+
+
+# --- None leaves: an empty subtree, as in eager ---------------------------------------------------------
+
+
+NONE_PROGRAMS: dict[str, Fn] = {
+    "scan_y_tuple": lambda w, x: hop.scan(lambda c, r: (c + r * w, (c * r, None)), torch.zeros(3), x),
+    "scan_y_dict": lambda w, x: hop.scan(lambda c, r: (c * w + r, {"y": c * r, "z": None}), torch.zeros(3), x),
+    "scan_carry": lambda w, x: hop.scan(lambda c, r: ((c[0] + r, None), r * w), (torch.zeros(3), None), x),
+    "map_output": lambda w, x: hop.map(lambda r: (r * w, None), x),
+    "map_arg": lambda w, x: hop.map(lambda r, z: r * w, x, None),
+}
+
+
+class WithNone(torch.nn.Module):
+    """scan and map with ``None`` in what the function returns or takes."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return NONE_PROGRAMS[self.name](self.w, x)
+
+
+@pytest.mark.parametrize("name", list(NONE_PROGRAMS))
+def test_none_leaves_compile_forward_and_backward(name: str) -> None:
+    model = WithNone(name)
+    rec = Recorder()
+    assert_close(compiled(model, rec, dynamic=True)(X), model(X))
+    assert rec.ops() == [f"torch.ops.hop.{name.split('_')[0]}"]
+    torch._dynamo.reset()
+    expected = outputs_and_gradients(model, model, X)  # type: ignore[arg-type]
+    assert_close(outputs_and_gradients(model, compiled(model, "aot_eager"), X), expected)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", list(NONE_PROGRAMS))
+def test_none_leaves_strict_export_gives_the_non_strict_program(name: str) -> None:
+    model = WithNone(name)
+    strict = torch.export.export(model, (X,), strict=True)
+    non_strict = torch.export.export(model, (X,), strict=False)
+    assert hop_ops([strict.graph_module]) == hop_ops([non_strict.graph_module])
+    assert_close(strict.module()(X), model(X))
