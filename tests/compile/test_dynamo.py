@@ -396,3 +396,39 @@ def test_none_leaves_strict_export_gives_the_non_strict_program(name: str) -> No
     non_strict = torch.export.export(model, (X,), strict=False)
     assert hop_ops([strict.graph_module]) == hop_ops([non_strict.graph_module])
     assert_close(strict.module()(X), model(X))
+
+
+# --- torch.func transforms of loops inside torch.compile --------------------------------------------------
+
+
+def counted_loss(x: torch.Tensor) -> torch.Tensor:
+    out = hop.while_loop(lambda u, n: n < 3, lambda u, n: (u.sin() * (n + 1), n + 1), (x, torch.tensor(0)))
+    return out[0].sum()
+
+
+def int_counted_loss(x: torch.Tensor) -> torch.Tensor:
+    return hop.while_loop(lambda u, n: n < 3, lambda u, n: (u.cos() + n, n + 1), (x, 0))[0].sum()
+
+
+def fori_loss(x: torch.Tensor) -> torch.Tensor:
+    return hop.fori_loop(0, torch.tensor(3), lambda i, u: u.sin() * (i + 1), x).sum()
+
+
+def int_fori_loss(x: torch.Tensor) -> torch.Tensor:
+    return hop.fori_loop(0, 3, lambda i, u: u.sin() * (i + 1), x).sum()
+
+
+LOSSES = [counted_loss, int_counted_loss, fori_loss, int_fori_loss]
+
+
+@pytest.mark.parametrize("loss", LOSSES, ids=lambda f: f.__name__)
+def test_compiled_func_grad_of_a_loop(loss: Fn) -> None:
+    # the backward's trip count is an unbacked size internal to autograd.grad's node
+    x = X[0] + 0.5
+    assert_close(compiled(torch.func.grad(loss), "aot_eager")(x), torch.func.grad(loss)(x))
+
+
+@pytest.mark.parametrize("loss", [counted_loss, fori_loss], ids=lambda f: f.__name__)
+def test_compiled_vmap_of_func_grad_of_a_loop(loss: Fn) -> None:
+    per_row = torch.vmap(torch.func.grad(loss))
+    assert_close(compiled(per_row, "aot_eager")(X), per_row(X))
