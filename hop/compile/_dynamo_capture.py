@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._dynamo.exc import Unsupported
+from torch._dynamo.exc import TorchRuntimeError, Unsupported
 from torch._dynamo.utils import _make_inlined, get_fake_value
 from torch._dynamo.variables import ConstantVariable, TupleVariable, VariableTracker
 from torch._dynamo.variables.builder import SourcelessBuilder, wrap_fx_proxy
@@ -135,7 +135,7 @@ def hop_errors_break_graph() -> Iterator[None]:
     propagation) leaves as a graph break that is still that HopError."""
     try:
         yield
-    except Unsupported as e:
+    except (Unsupported, TorchRuntimeError) as e:  # fake propagation wraps what fails in the latter
         cause = _hop_cause(e)
         if cause is None or isinstance(e, HopError):
             raise

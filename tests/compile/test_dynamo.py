@@ -432,3 +432,13 @@ def test_compiled_func_grad_of_a_loop(loss: Fn) -> None:
 def test_compiled_vmap_of_func_grad_of_a_loop(loss: Fn) -> None:
     per_row = torch.vmap(torch.func.grad(loss))
     assert_close(compiled(per_row, "aot_eager")(X), per_row(X))
+
+
+@pytest.mark.parametrize("loss", [int_counted_loss, int_fori_loss], ids=lambda f: f.__name__)
+def test_vmap_of_a_loop_with_int_carries_breaks_the_graph(loss: Fn) -> None:
+    # a traced loop under vmap carries tensors only: hop's error, not Dynamo's wrapper of it
+    per_row = torch.vmap(torch.func.grad(loss))
+    with pytest.raises(HopError, match="under vmap, traced loops carry tensors only"):
+        compiled(per_row, "aot_eager")(X)
+    torch._dynamo.reset()
+    assert_close(torch.compile(per_row, backend="aot_eager")(X), per_row(X))
