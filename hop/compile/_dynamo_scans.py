@@ -183,20 +183,24 @@ class AssociativeScanVariable(HopVariable):
         fn = callable_stand_in(tx, combine_fn)
         mode, reverse, dim = example(mode_vt), example(reverse_vt), example(dim_vt)
         associative_scan_module.check_options(fn, reverse, mode)
-        leaves, spec = flatten(tx, xs)
+        leaves_all, spec = flatten(tx, xs)
+        leaves = without_none(leaves_all)
         dims, _ = lp.check_xs(name, example_tree(tx, xs), [example(x) for x in leaves], dim)
         moved = [method(tx, x, "movedim", d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
         moved = [method(tx, x, "flip", 0) for x in moved] if reverse else moved
-        lhs, rhs = _slices(tx, moved), _slices(tx, moved)
+        lhs, rhs = (with_none(_slices(tx, moved), leaves_all) for _ in range(2))
         body = speculate(tx, self.value, "combine_fn", combine_fn, [unflatten(tx, lhs, spec), unflatten(tx, rhs, spec)])
         py_spec = spec.as_python_constant()
         out_tree = pytree.tree_unflatten([example(o) for o in body.outputs], body.out_spec())
         lhs_tree = pytree.tree_unflatten([example(x) for x in lhs], py_spec)
         lp.check_like(name, "combine_fn", fn, lhs_tree, out_tree, "output", "xs and the output")
         check_spec_order(name, [py_spec, body.out_spec()], "xs and combine_fn's output")
+        drop_constant_inputs(body.graph, [*leaves_all, *leaves_all])  # the None leaves' placeholders
+        drop_none_outputs(body.graph)
         out = self.emit(tx, body, moved, [], mode)
         out = [method(tx, o, "flip", 0) for o in out] if reverse else out
-        return unflatten(tx, [method(tx, o, "movedim", 0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
+        out = [method(tx, o, "movedim", 0, d) if d else o for o, d in zip(out, dims, strict=True)]
+        return unflatten(tx, with_none(out, leaves_all), spec)
 
     def raw_call(self, tx: Any, args: list[VT]) -> VT:
         combine_fn, xs, additional, mode = args

@@ -358,11 +358,12 @@ def test_strict_export_gives_non_strict_exports_program(op: str) -> None:
 
 
 NONE_PROGRAMS: dict[str, Fn] = {
-    "scan_y_tuple": lambda w, x: hop.scan(lambda c, r: (c + r * w, (c * r, None)), torch.zeros(3), x),
-    "scan_y_dict": lambda w, x: hop.scan(lambda c, r: (c * w + r, {"y": c * r, "z": None}), torch.zeros(3), x),
-    "scan_carry": lambda w, x: hop.scan(lambda c, r: ((c[0] + r, None), r * w), (torch.zeros(3), None), x),
-    "map_output": lambda w, x: hop.map(lambda r: (r * w, None), x),
-    "map_arg": lambda w, x: hop.map(lambda r, z: r * w, x, None),
+    "scan/y_tuple": lambda w, x: hop.scan(lambda c, r: (c + r * w, (c * r, None)), torch.zeros(3), x),
+    "scan/y_dict": lambda w, x: hop.scan(lambda c, r: (c * w + r, {"y": c * r, "z": None}), torch.zeros(3), x),
+    "scan/carry": lambda w, x: hop.scan(lambda c, r: ((c[0] + r, None), r * w), (torch.zeros(3), None), x),
+    "map/output": lambda w, x: hop.map(lambda r: (r * w, None), x),
+    "map/arg": lambda w, x: hop.map(lambda r, z: r * w, x, None),
+    "associative_scan/xs": lambda w, x: hop.associative_scan(lambda p, q: (p[0] + q[0], None), (x * w, None), 0),
 }
 
 
@@ -383,7 +384,7 @@ def test_none_leaves_compile_forward_and_backward(name: str) -> None:
     model = WithNone(name)
     rec = Recorder()
     assert_close(compiled(model, rec, dynamic=True)(X), model(X))
-    assert rec.ops() == [f"torch.ops.hop.{name.split('_')[0]}"]
+    assert rec.ops() == [f"torch.ops.hop.{name.split('/')[0]}"]  # NONE_PROGRAMS's keys: op/case
     torch._dynamo.reset()
     expected = outputs_and_gradients(model, model, X)  # type: ignore[arg-type]
     assert_close(outputs_and_gradients(model, compiled(model, "aot_eager"), X), expected)  # type: ignore[arg-type]
