@@ -419,7 +419,12 @@ def int_fori_loss(x: torch.Tensor) -> torch.Tensor:
     return hop.fori_loop(0, 3, lambda i, u: u.sin() * (i + 1), x).sum()
 
 
-LOSSES = [counted_loss, int_counted_loss, fori_loss, int_fori_loss]
+def carry_condition_loss(x: torch.Tensor) -> torch.Tensor:
+    # a condition on the carry: under vmap each row has its own trip count
+    return hop.while_loop(lambda u: u.sum() < 10, lambda u: (u * 1.5 + 0.5,), (x,))[0].sum()
+
+
+LOSSES = [counted_loss, int_counted_loss, fori_loss, int_fori_loss, carry_condition_loss]
 
 
 @pytest.mark.parametrize("loss", LOSSES, ids=lambda f: f.__name__)
@@ -429,7 +434,7 @@ def test_compiled_func_grad_of_a_loop(loss: Fn) -> None:
     assert_close(compiled(torch.func.grad(loss), "aot_eager")(x), torch.func.grad(loss)(x))
 
 
-@pytest.mark.parametrize("loss", [counted_loss, fori_loss], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("loss", [counted_loss, fori_loss, carry_condition_loss], ids=lambda f: f.__name__)
 def test_compiled_vmap_of_func_grad_of_a_loop(loss: Fn) -> None:
     per_row = torch.vmap(torch.func.grad(loss))
     assert_close(compiled(per_row, "aot_eager")(X), per_row(X))
