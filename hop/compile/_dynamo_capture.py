@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._dynamo.exc import Unsupported
+from torch._dynamo.exc import TorchRuntimeError, Unsupported
 from torch._dynamo.utils import _make_inlined, get_fake_value
 from torch._dynamo.variables import ConstantVariable, TupleVariable, VariableTracker
 from torch._dynamo.variables.builder import SourcelessBuilder, wrap_fx_proxy
@@ -56,6 +56,7 @@ __all__ = [
     "emit",
     "example",
     "example_tree",
+    "drop_none_outputs",
     "flatten",
     "fresh",
     "fresh_input",
@@ -71,6 +72,8 @@ __all__ = [
     "unbound_dims",
     "unflatten",
     "unsupported",
+    "with_none",
+    "without_none",
 ]
 
 VT = VariableTracker
@@ -132,7 +135,7 @@ def hop_errors_break_graph() -> Iterator[None]:
     propagation) leaves as a graph break that is still that HopError."""
     try:
         yield
-    except Unsupported as e:
+    except (Unsupported, TorchRuntimeError) as e:  # fake propagation wraps what fails in the latter
         cause = _hop_cause(e)
         if cause is None or isinstance(e, HopError):
             raise
@@ -163,6 +166,34 @@ def flatten(tx: Any, tree: VT) -> tuple[list[VT], VT]:
 def unflatten(tx: Any, leaves: Sequence[VT], spec: VT | pytree.TreeSpec) -> VT:
     spec_vt = spec if isinstance(spec, VT) else SourcelessBuilder.create(tx, spec)
     return _make_inlined(tx, pytree.tree_unflatten)(SourcelessBuilder.create(tx, list(leaves)), spec_vt)
+
+
+def is_none(vt: VT) -> bool:
+    return isinstance(vt, ConstantVariable) and vt.value is None
+
+
+def without_none(leaves: Sequence[VT]) -> list[VT]:
+    """``leaves`` less the ``None``s: Dynamo's pytree keeps ``None`` as a leaf, where hop's
+    looping operators (and their checks) treat it as an empty subtree."""
+    return [leaf for leaf in leaves if not is_none(leaf)]
+
+
+def with_none(kept: Sequence[VT], like: Sequence[VT]) -> list[VT]:
+    """``kept`` with a ``None`` put back wherever ``like`` has one (undoes :func:`without_none`)."""
+    rest = iter(kept)
+    out = [constant(None) if is_none(leaf) else next(rest) for leaf in like]
+    if next(rest, None) is not None:
+        raise AssertionError("more values than non-None leaves")
+    return out
+
+
+def drop_none_outputs(graph: torch.fx.Graph) -> None:
+    """Remove the ``None``s a subgraph returns: hop's looping raw ops take only tensor and
+    int outputs, and the handler puts the ``None``s back around the node's outputs."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    (values,) = out.args
+    if isinstance(values, (tuple, list)):
+        out.args = (tuple(v for v in values if v is not None),)
 
 
 def example(vt: VT) -> Any:

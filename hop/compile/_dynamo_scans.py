@@ -25,6 +25,7 @@ from hop.compile._dynamo_capture import (
     callable_stand_in,
     check_spec_order,
     drop_constant_inputs,
+    drop_none_outputs,
     emit,
     example,
     example_tree,
@@ -32,6 +33,7 @@ from hop.compile._dynamo_capture import (
     fresh,
     fresh_input,
     install,
+    is_none,
     items,
     method,
     output_items,
@@ -39,6 +41,8 @@ from hop.compile._dynamo_capture import (
     share_lifted,
     speculate,
     unflatten,
+    with_none,
+    without_none,
 )
 from hop.errors import HopTypeError, format_message
 from hop.ops import _looping as lp
@@ -71,19 +75,24 @@ class ScanVariable(HopVariable):
                 op="scan",
                 role="reverse",
             )
-        init_leaves, init_spec = flatten(tx, init)
-        xs_leaves, xs_spec = flatten(tx, xs)
+        init_all, init_spec = flatten(tx, init)
+        xs_all, xs_spec = flatten(tx, xs)
+        init_leaves, xs_leaves = without_none(init_all), without_none(xs_all)
         init_values = [example(leaf) for leaf in init_leaves]
         lp.check_leaves("scan", "init", example_tree(tx, init), init_values)
         dims, _ = lp.check_xs("scan", example_tree(tx, xs), [example(x) for x in xs_leaves], dim)
         moved = [method(tx, x, "movedim", d, 0) if d else x for x, d in zip(xs_leaves, dims, strict=True)]
-        carry, x = unflatten(tx, fresh(tx, init_values), init_spec), unflatten(tx, _slices(tx, moved), xs_spec)
+        carry = unflatten(tx, with_none(fresh(tx, init_values), init_all), init_spec)
+        x = unflatten(tx, with_none(_slices(tx, moved), xs_all), xs_spec)
         body = speculate(tx, self.value, "combine_fn", combine_fn, [carry, x])
         y_spec = _check_scan_body(fn, example_tree(tx, init), body, dim)
+        drop_constant_inputs(body.graph, [*init_all, *xs_all])  # the None leaves' placeholders
+        drop_none_outputs(body.graph)
         out = self.emit(tx, body, init_leaves, moved, [], reverse)
-        nc = len(init_leaves)
-        ys = [method(tx, y, "movedim", 0, lp.stack_dim(dim, example(y).dim() - 1)) if dim else y for y in out[nc:]]
-        return TupleVariable([unflatten(tx, out[:nc], init_spec), unflatten(tx, ys, y_spec)])
+        nc = len(init_leaves)  # the carry takes init's structure, as in eager
+        carry = unflatten(tx, with_none(out[:nc], init_all), init_spec)
+        ys = with_none(out[nc:], body.outputs[body.out_spec().children()[0].num_leaves :])
+        return TupleVariable([carry, unflatten(tx, [_unmove(tx, y, dim) for y in ys], y_spec)])
 
     def raw_call(self, tx: Any, args: list[VT]) -> VT:
         body_fn, init, xs, additional, reverse = args
@@ -97,6 +106,13 @@ class ScanVariable(HopVariable):
         graph = install(tx, "hop_scan_body", body.graph)
         args = (graph, tuple(proxies(init)), tuple(proxies(xs)), (*proxies(extra), *lifted), reverse)
         return output_items(emit(tx, self.value, args))
+
+
+def _unmove(tx: Any, y: VT, dim: int) -> VT:
+    """A leaf of ys, stacked along dim 0 by the node, moved to ``dim`` (``None`` stays)."""
+    if not dim or is_none(y):
+        return y
+    return method(tx, y, "movedim", 0, lp.stack_dim(dim, example(y).dim() - 1))
 
 
 def _check_scan_body(fn: Any, init: Any, body: Subgraph, dim: int) -> pytree.TreeSpec:
@@ -127,18 +143,20 @@ class MapVariable(HopVariable):
         f, xs, f_args = params["f"], params["xs"], params["args"]
         fn = callable_stand_in(tx, f)
         lp.check_callable("map", "f", fn)
-        xs_leaves, xs_spec = flatten(tx, xs)
-        arg_leaves, _ = flatten(tx, f_args)
+        xs_all, xs_spec = flatten(tx, xs)
+        args_all, _ = flatten(tx, f_args)
+        xs_leaves, arg_leaves = without_none(xs_all), without_none(args_all)
         lp.check_xs("map", example_tree(tx, xs), [example(x) for x in xs_leaves], 0)
         lp.check_leaves("map", "args", example_tree(tx, f_args), [example(a) for a in arg_leaves], ints=True)
-        x = unflatten(tx, _slices(tx, xs_leaves), xs_spec)
+        x = unflatten(tx, with_none(_slices(tx, xs_leaves), xs_all), xs_spec)
         body = speculate(tx, self.value, "f", f, [x, *items(tx, f_args)])
         outs = [example(o) for o in body.outputs]
         error = lp.ys_error(map_module.MAP, fn, [pytree.tree_unflatten(outs, body.out_spec())], 0, "output")
         if error is not None:
             raise error
-        extra = drop_constant_inputs(body.graph, [*xs_leaves, *arg_leaves])[len(xs_leaves) :]
-        return unflatten(tx, self.emit(tx, body, xs_leaves, extra), body.spec)
+        extra = without_none(drop_constant_inputs(body.graph, [*xs_all, *args_all]))[len(xs_leaves) :]
+        drop_none_outputs(body.graph)
+        return unflatten(tx, with_none(self.emit(tx, body, xs_leaves, extra), body.outputs), body.spec)
 
     def raw_call(self, tx: Any, args: list[VT]) -> VT:
         body_fn, xs, additional = args
@@ -165,20 +183,24 @@ class AssociativeScanVariable(HopVariable):
         fn = callable_stand_in(tx, combine_fn)
         mode, reverse, dim = example(mode_vt), example(reverse_vt), example(dim_vt)
         associative_scan_module.check_options(fn, reverse, mode)
-        leaves, spec = flatten(tx, xs)
+        leaves_all, spec = flatten(tx, xs)
+        leaves = without_none(leaves_all)
         dims, _ = lp.check_xs(name, example_tree(tx, xs), [example(x) for x in leaves], dim)
         moved = [method(tx, x, "movedim", d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
         moved = [method(tx, x, "flip", 0) for x in moved] if reverse else moved
-        lhs, rhs = _slices(tx, moved), _slices(tx, moved)
+        lhs, rhs = (with_none(_slices(tx, moved), leaves_all) for _ in range(2))
         body = speculate(tx, self.value, "combine_fn", combine_fn, [unflatten(tx, lhs, spec), unflatten(tx, rhs, spec)])
         py_spec = spec.as_python_constant()
         out_tree = pytree.tree_unflatten([example(o) for o in body.outputs], body.out_spec())
         lhs_tree = pytree.tree_unflatten([example(x) for x in lhs], py_spec)
         lp.check_like(name, "combine_fn", fn, lhs_tree, out_tree, "output", "xs and the output")
         check_spec_order(name, [py_spec, body.out_spec()], "xs and combine_fn's output")
+        drop_constant_inputs(body.graph, [*leaves_all, *leaves_all])  # the None leaves' placeholders
+        drop_none_outputs(body.graph)
         out = self.emit(tx, body, moved, [], mode)
         out = [method(tx, o, "flip", 0) for o in out] if reverse else out
-        return unflatten(tx, [method(tx, o, "movedim", 0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
+        out = [method(tx, o, "movedim", 0, d) if d else o for o, d in zip(out, dims, strict=True)]
+        return unflatten(tx, with_none(out, leaves_all), spec)
 
     def raw_call(self, tx: Any, args: list[VT]) -> VT:
         combine_fn, xs, additional, mode = args

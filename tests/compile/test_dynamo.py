@@ -352,3 +352,99 @@ def test_strict_export_gives_non_strict_exports_program(op: str) -> None:
     other = -X[:3]  # another size
     for ep in (strict, loaded, decomposed):
         assert_close(ep.module()(other), module(other))
+
+
+# --- None leaves: an empty subtree, as in eager ---------------------------------------------------------
+
+
+NONE_PROGRAMS: dict[str, Fn] = {
+    "scan/y_tuple": lambda w, x: hop.scan(lambda c, r: (c + r * w, (c * r, None)), torch.zeros(3), x),
+    "scan/y_dict": lambda w, x: hop.scan(lambda c, r: (c * w + r, {"y": c * r, "z": None}), torch.zeros(3), x),
+    "scan/carry": lambda w, x: hop.scan(lambda c, r: ((c[0] + r, None), r * w), (torch.zeros(3), None), x),
+    "map/output": lambda w, x: hop.map(lambda r: (r * w, None), x),
+    "map/arg": lambda w, x: hop.map(lambda r, z: r * w, x, None),
+    "associative_scan/xs": lambda w, x: hop.associative_scan(lambda p, q: (p[0] + q[0], None), (x * w, None), 0),
+}
+
+
+class WithNone(torch.nn.Module):
+    """scan and map with ``None`` in what the function returns or takes."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return NONE_PROGRAMS[self.name](self.w, x)
+
+
+@pytest.mark.parametrize("name", list(NONE_PROGRAMS))
+def test_none_leaves_compile_forward_and_backward(name: str) -> None:
+    model = WithNone(name)
+    rec = Recorder()
+    assert_close(compiled(model, rec, dynamic=True)(X), model(X))
+    assert rec.ops() == [f"torch.ops.hop.{name.split('/')[0]}"]  # NONE_PROGRAMS's keys: op/case
+    torch._dynamo.reset()
+    expected = outputs_and_gradients(model, model, X)  # type: ignore[arg-type]
+    assert_close(outputs_and_gradients(model, compiled(model, "aot_eager"), X), expected)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", list(NONE_PROGRAMS))
+def test_none_leaves_strict_export_gives_the_non_strict_program(name: str) -> None:
+    model = WithNone(name)
+    strict = torch.export.export(model, (X,), strict=True)
+    non_strict = torch.export.export(model, (X,), strict=False)
+    assert hop_ops([strict.graph_module]) == hop_ops([non_strict.graph_module])
+    assert_close(strict.module()(X), model(X))
+
+
+# --- torch.func transforms of loops inside torch.compile --------------------------------------------------
+
+
+def counted_loss(x: torch.Tensor) -> torch.Tensor:
+    out = hop.while_loop(lambda u, n: n < 3, lambda u, n: (u.sin() * (n + 1), n + 1), (x, torch.tensor(0)))
+    return out[0].sum()
+
+
+def int_counted_loss(x: torch.Tensor) -> torch.Tensor:
+    return hop.while_loop(lambda u, n: n < 3, lambda u, n: (u.cos() + n, n + 1), (x, 0))[0].sum()
+
+
+def fori_loss(x: torch.Tensor) -> torch.Tensor:
+    return hop.fori_loop(0, torch.tensor(3), lambda i, u: u.sin() * (i + 1), x).sum()
+
+
+def int_fori_loss(x: torch.Tensor) -> torch.Tensor:
+    return hop.fori_loop(0, 3, lambda i, u: u.sin() * (i + 1), x).sum()
+
+
+def carry_condition_loss(x: torch.Tensor) -> torch.Tensor:
+    # a condition on the carry: under vmap each row has its own trip count
+    return hop.while_loop(lambda u: u.sum() < 10, lambda u: (u * 1.5 + 0.5,), (x,))[0].sum()
+
+
+LOSSES = [counted_loss, int_counted_loss, fori_loss, int_fori_loss, carry_condition_loss]
+
+
+@pytest.mark.parametrize("loss", LOSSES, ids=lambda f: f.__name__)
+def test_compiled_func_grad_of_a_loop(loss: Fn) -> None:
+    # the backward's trip count is an unbacked size internal to autograd.grad's node
+    x = X[0] + 0.5
+    assert_close(compiled(torch.func.grad(loss), "aot_eager")(x), torch.func.grad(loss)(x))
+
+
+@pytest.mark.parametrize("loss", [counted_loss, fori_loss, carry_condition_loss], ids=lambda f: f.__name__)
+def test_compiled_vmap_of_func_grad_of_a_loop(loss: Fn) -> None:
+    per_row = torch.vmap(torch.func.grad(loss))
+    assert_close(compiled(per_row, "aot_eager")(X), per_row(X))
+
+
+@pytest.mark.parametrize("loss", [int_counted_loss, int_fori_loss], ids=lambda f: f.__name__)
+def test_vmap_of_a_loop_with_int_carries_breaks_the_graph(loss: Fn) -> None:
+    # a traced loop under vmap carries tensors only: hop's error, not Dynamo's wrapper of it
+    per_row = torch.vmap(torch.func.grad(loss))
+    with pytest.raises(HopError, match="under vmap, traced loops carry tensors only"):
+        compiled(per_row, "aot_eager")(X)
+    torch._dynamo.reset()
+    assert_close(torch.compile(per_row, backend="aot_eager")(X), per_row(X))
