@@ -219,6 +219,12 @@ def _counted_loop(
     subgraph's symbols from its inputs). ``last`` caps the counter in the condition
     (a ``sym_min`` in ``stop`` would be resolved at trace time).
     """
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if statically_known_true(stop <= start):
+        # No step runs: the body must not be traced, its checks (start <= k < stop)
+        # would fail at trace time. The outputs are copies, as the loop's would be.
+        return [c.clone() if isinstance(c, torch.Tensor) else c for c in carried]
     symbolic = isinstance(stop, torch.SymInt)
     values = [*carried, *additional, *([stop] if symbolic else [])]
     known = plain_symbols(inputs)
