@@ -17,13 +17,13 @@ from typing import Any
 import torch
 import torch.fx
 
-from hop.errors import HopValueError, format_message
+from hop.errors import CompileUnsupported, HopValueError, format_message
 from hop.ops.associative_scan import associative_scan_dense, associative_scan_op
 from hop.ops.map import map_op
 from hop.ops.scan import scan_op
 from hop.ops.switch import switch_op
 
-__all__ = ["REWRITES", "free_symbols", "plain_symbols"]
+__all__ = ["REWRITES", "free_symbols", "growing_carries", "plain_symbols", "resized_carries"]
 
 Fn = Callable[..., Any]
 _check: Callable[..., None] = torch._check  # untyped in torch
@@ -45,6 +45,33 @@ def plain_symbols(values: Sequence[Any]) -> dict[Any, Any]:
             if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
                 out.setdefault(s.node.expr, s)
     return out
+
+
+def resized_carries(carried: Sequence[Any], outputs: Sequence[Any]) -> list[str]:
+    """``"carry k, dim d"`` for each tensor carry dimension whose size the loop may change."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return [
+        f"carry {k}, dim {d}"
+        for k, (c, o) in enumerate(zip(carried, outputs, strict=True))
+        if isinstance(c, torch.Tensor)
+        for d in range(c.dim())
+        if not statically_known_true(c.shape[d] == o.shape[d])
+    ]
+
+
+def growing_carries(op: str, resized: Sequence[str]) -> CompileUnsupported:
+    """Inductor's while loop preallocates each carry once, at its initial size: a loop
+    whose carries grow or shrink has no lowering there (aot_eager runs it)."""
+    what = (
+        f"loop carries that change size between iterations ({'; '.join(resized)}) do not compile with"
+        " Inductor, whose while loop keeps every carry at its initial size"
+    )
+    fix = (
+        'Compile with backend="aot_eager", or pad the carries to a fixed size (with a length or mask'
+        " carry for the valid part)."
+    )
+    return CompileUnsupported(format_message(op, what, fix=fix), op=op)
 
 
 def _outputs(node: torch.fx.Node) -> list[Any]:

@@ -275,6 +275,8 @@ class PostGradPass:
         if ours:
             _no_donated_buffers()
         for node in ours:
+            if node.target is while_loop_op:
+                _check_fixed_carries(node)
             if node.target in rw.REWRITES:
                 _rewrite(node, rw.REWRITES[node.target])
 
@@ -286,6 +288,20 @@ class PostGradPass:
         from torch._inductor.custom_graph_pass import get_hash_for_files
 
         return get_hash_for_files((__file__, rw.__file__))
+
+
+def _check_fixed_carries(node: torch.fx.Node) -> None:
+    """Refuse a loop whose carries change size (see ``rw.growing_carries``), before
+    Inductor's lowering fails on it with an assertion of its own."""
+    carried = [c.meta.get("val") if isinstance(c, torch.fx.Node) else c for c in node.args[2]]  # type: ignore[union-attr]
+    resized = rw.resized_carries(carried, _flat_outputs(node))
+    if resized:
+        raise rw.growing_carries("while_loop", resized)
+
+
+def _flat_outputs(node: torch.fx.Node) -> list[Any]:
+    val = node.meta["val"]
+    return list(val) if isinstance(val, (tuple, list)) else [val]
 
 
 def _rewrite(node: torch.fx.Node, rewrite: Fn) -> None:
