@@ -33,6 +33,51 @@ def test_zero_length_map_and_scan(dynamic: bool) -> None:
     torch._dynamo.reset()
 
 
+def _ints(a: torch.Tensor) -> Any:
+    """cond and switch branches returning ints beside tensors: constants they agree on
+    or not, a size, an ``.item()``; a bare int output; each int used after the call."""
+    y, n, same = hop.cond(a.sum() > 0, lambda u: (u * 2, (u > 0).sum().item(), 7), lambda u: (u - 1, 3, 7), (a,))
+    index = (a.sum() > 0).long() + (a.sum() > 5).long()
+    branches = [
+        lambda u: (u * 2, 4, u.shape[0]),
+        lambda u: (u - 1, 5, u.shape[0]),
+        lambda u: (u + 1, (u > 0).sum().item(), u.shape[0]),
+    ]
+    z, m, rows = hop.switch(index, branches, (a,))
+    bare = hop.cond(a.sum() > 0, lambda u: u.shape[0] * 2, lambda u: u.shape[0] + 1, (a,))
+    return y * n + z * m + rows * same, torch.zeros(m).sum() + bare, n, m
+
+
+_INT_INPUTS = [torch.randn(6, 3), -torch.rand(6, 3), torch.rand(5, 3) + 1, torch.rand(4, 3) * 0.1]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_int_outputs_of_branches(dynamic: bool) -> None:
+    """Inductor's conditional holds tensors only: ints leave the branches as 0-dim
+    tensors and are read back after it (Note [int outputs of branches])."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_ints, backend="inductor", fullgraph=True, dynamic=dynamic)
+    for x in _INT_INPUTS:
+        torch.testing.assert_close(compiled(x), _ints(x))
+    torch._dynamo.reset()
+
+
+def test_int_outputs_of_branches_backward() -> None:
+    """The backward cond and switch get None as the int outputs' cotangents: not operands
+    of Inductor's conditional."""
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        y, n = hop.cond(a.sum() > 0, lambda u: (u * 2, (u > 0).sum().item()), lambda u: (u - 1, 3), (a,))
+        z, m = hop.switch((a.sum() > 0).long(), [lambda u: (u.sin(), 4), lambda u: (u - 1, 5)], (a,))
+        return y * n + z * m
+
+    torch._dynamo.reset()
+    x = torch.randn(6, 3, requires_grad=True)
+    out = torch.compile(f, backend="inductor", fullgraph=True)(x)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x), torch.autograd.grad(f(x).sum(), x))
+    torch._dynamo.reset()
+
+
 def _grow(s: torch.Tensor) -> torch.Tensor:
     return hop.while_loop(lambda a: a.shape[0] < 8, lambda a: torch.cat([a, a[-1:] + 1]), (s,))[0] * 2
 
