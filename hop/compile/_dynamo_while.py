@@ -194,8 +194,13 @@ class WhileLoopVariable(HopVariable):
 def _check_inductor_carries(tx: Any, op: str, values: Sequence[Any], varying: Sequence[set[int]]) -> None:
     """Under Inductor, a loop whose tensor carries change size breaks the graph (and runs
     eagerly) instead of failing later in the backend (``rw.growing_carries``)."""
+    # fori_loop's carries are (counter, *leaves of init_val): name the user's leaves.
+    first, what = (1, "init_val leaf") if op == "fori_loop" else (0, "carry")
     resized = [
-        f"carry {k}, dim {d}" for k, v in enumerate(values) if isinstance(v, torch.Tensor) for d in sorted(varying[k])
+        f"{what} {k - first}, dim {d}"
+        for k, v in enumerate(values)
+        if isinstance(v, torch.Tensor)
+        for d in sorted(varying[k])
     ]
     if resized and compiles_with_inductor(tx):
         raise as_graph_break(rw.growing_carries(op, resized))

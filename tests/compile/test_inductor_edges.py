@@ -86,18 +86,24 @@ def _shrink(s: torch.Tensor) -> torch.Tensor:
     return hop.while_loop(lambda a: a.sum() > 1, lambda a: a[a > a.mean()] * 0.9, (s,))[0] + 1
 
 
-_RESIZED = (
-    "hop.while_loop: loop carries that change size between iterations (carry 0, dim 0) do not compile with Inductor"
-)
-_CARRIES = [(_grow, torch.zeros(2)), (_shrink, torch.tensor([3.0, 1, 2, 5]))]
+def _fori_grow(s: torch.Tensor) -> torch.Tensor:
+    return hop.fori_loop(0, 3, lambda i, a: torch.cat([a, a[-1:] + i]), s)
 
 
-@pytest.mark.parametrize(("fn", "x"), _CARRIES, ids=["grow", "shrink"])
-def test_resized_carries_are_refused_with_fullgraph(fn: Any, x: torch.Tensor) -> None:
+_RESIZED = "loop carries that change size between iterations ({}, dim 0) do not compile with Inductor"
+_CARRIES = [
+    (_grow, torch.zeros(2), "hop.while_loop: " + _RESIZED.format("carry 0")),
+    (_shrink, torch.tensor([3.0, 1, 2, 5]), "hop.while_loop: " + _RESIZED.format("carry 0")),
+    (_fori_grow, torch.zeros(2), "hop.fori_loop: " + _RESIZED.format("init_val leaf 0")),
+]
+
+
+@pytest.mark.parametrize(("fn", "x", "message"), _CARRIES, ids=["grow", "shrink", "fori"])
+def test_resized_carries_are_refused_with_fullgraph(fn: Any, x: torch.Tensor, message: str) -> None:
     """Inductor's while loop keeps carries at their initial size: Dynamo refuses the loop
     (before any Inductor build) with a message that says what to do instead."""
     torch._dynamo.reset()
-    with pytest.raises(CompileUnsupported, match=re.escape(_RESIZED)) as info:
+    with pytest.raises(CompileUnsupported, match=re.escape(message)) as info:
         torch.compile(fn, backend="inductor", fullgraph=True)(x)
     assert 'backend="aot_eager"' in str(info.value)
     torch._dynamo.reset()
@@ -106,7 +112,7 @@ def test_resized_carries_are_refused_with_fullgraph(fn: Any, x: torch.Tensor) ->
 def test_resized_carries_break_the_graph_without_fullgraph() -> None:
     """The loop runs eagerly, the rest compiles: the result is eager's."""
     torch._dynamo.reset()
-    for fn, x in _CARRIES:
+    for fn, x, _ in _CARRIES:
         torch.testing.assert_close(torch.compile(fn, backend="inductor")(x), fn(x))
     torch._dynamo.reset()
 
@@ -120,7 +126,7 @@ def test_resized_carries_are_refused_by_aoti() -> None:
             return _grow(s)
 
     ep = torch.export.export(Grow(), (torch.zeros(2),))
-    with pytest.raises(Exception, match=re.escape(_RESIZED)) as info:
+    with pytest.raises(Exception, match=re.escape(_CARRIES[0][2])) as info:
         torch._inductor.aoti_compile_and_package(ep)
     assert any(isinstance(e, CompileUnsupported) for e in _causes(info.value))
 
