@@ -140,6 +140,15 @@ def bound_int_outputs(node: torch.fx.Node) -> dict[int, Any]:
     return out
 
 
+def _refuse_resized(name: str, node: torch.fx.Node, what: str, fix: str) -> None:
+    """torch's cond, which the rewrite builds, cannot unify data-dependent output sizes
+    that differ between branches (hop's cond, lowered directly, can): refuse such a node.
+    Its unbacked symbols at a tensor's size have paths longer than an output position."""
+    if any(len(path) > 1 for path in (node.meta.get("unbacked_bindings") or {}).values()):
+        what = f"{what} (a data-dependent size) do not compile with Inductor"
+        raise CompileUnsupported(format_message(name, what, fix=fix), op=name)
+
+
 def _tensor_outputs(fn: Fn) -> Fn:
     """``fn`` with its int outputs as 0-dim int64 tensors (Note [int outputs of branches])."""
 
@@ -173,6 +182,12 @@ def rewrite_cond(
 ) -> Any:
     """A cond with int outputs (Note [int outputs of branches]) or None operands; others
     go to Inductor's lowering as they are."""
+    _refuse_resized(
+        "cond",
+        node,
+        "branches returning ints beside outputs whose sizes differ between the branches",
+        'Return such an int as a 0-dim tensor (torch.tensor(n)), or compile with backend="aot_eager".',
+    )
     operands, (true_fn, false_fn) = _drop_nones(operands, (true_fn, false_fn))
     out = torch.ops.higher_order.cond(pred, _tensor_outputs(true_fn), _tensor_outputs(false_fn), operands)
     return _like_node(node, _int_outputs("cond", node, out, inputs))
@@ -182,6 +197,12 @@ def rewrite_switch(
     node: torch.fx.Node, inputs: Sequence[Any], index: Any, operands: Sequence[Any], *branches: Fn
 ) -> Any:
     """``branches[index](*operands)`` as nested conds; an index out of range fails an assert."""
+    _refuse_resized(
+        "switch",
+        node,
+        "branches whose output sizes differ",
+        'Pad the branches\' outputs to one size, nest hop.cond calls, or compile with backend="aot_eager".',
+    )
     n = len(branches)
     if isinstance(index, torch.Tensor):
         torch._assert_async((index >= 0) & (index < n), f"hop.switch: index out of range for {n} branches")

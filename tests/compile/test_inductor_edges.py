@@ -78,6 +78,31 @@ def test_int_outputs_of_branches_backward() -> None:
     torch._dynamo.reset()
 
 
+def _sized_cond(a: torch.Tensor) -> Any:
+    return hop.cond(a.sum() > 0, lambda u: (u[:2], 2), lambda u: (u[:3], 3), (a,))
+
+
+def _sized_switch(a: torch.Tensor) -> Any:
+    return hop.switch((a.sum() > 0).long(), [lambda u: u[:2] * 2, lambda u: u[:3]], (a,))
+
+
+_SIZED = [
+    (_sized_cond, "hop.cond: branches returning ints beside outputs whose sizes differ between the branches"),
+    (_sized_switch, "hop.switch: branches whose output sizes differ"),
+]
+
+
+@pytest.mark.parametrize(("fn", "message"), _SIZED, ids=["cond", "switch"])
+def test_rewritten_branches_of_differing_sizes_are_refused(fn: Any, message: str) -> None:
+    """The rewrite builds torch's cond, which cannot unify data-dependent sizes that differ
+    between branches: a clear refusal, before any code is generated, not torch's TypeError."""
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=re.escape(message + " (a data-dependent size) do not compile")) as info:
+        torch.compile(fn, backend="inductor", fullgraph=True)(torch.rand(6, 3))
+    assert any(isinstance(e, CompileUnsupported) for e in _causes(info.value))
+    torch._dynamo.reset()
+
+
 def _grow(s: torch.Tensor) -> torch.Tensor:
     return hop.while_loop(lambda a: a.shape[0] < 8, lambda a: torch.cat([a, a[-1:] + 1]), (s,))[0] * 2
 
