@@ -51,6 +51,7 @@ __all__ = [
     "bare_single_output",
     "callable_stand_in",
     "check_spec_order",
+    "compiles_with_inductor",
     "constant",
     "drop_constant_inputs",
     "emit",
@@ -117,6 +118,19 @@ def unsupported(op: str, feature: str, fix: str) -> Exception:
         format_message(op, f"{feature} runs in eager but torch.compile cannot capture it", fix=fix), op=op
     )
     return as_graph_break(error)
+
+
+def compiles_with_inductor(tx: Any) -> bool:
+    """Whether the graph being captured goes to Inductor (``backend="inductor"``, or its
+    ``compile_fx``): the backend, unwrapped from Dynamo's debug wrappers, names itself."""
+    fn = tx.output.compiler_fn
+    for _ in range(16):  # a short chain of wrappers; never loop on a cyclic one
+        if getattr(fn, "compiler_name", None) in ("inductor", "compile_fx"):
+            return True
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return False
+    return False
 
 
 def _hop_cause(error: BaseException) -> HopError | None:

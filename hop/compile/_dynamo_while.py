@@ -20,13 +20,16 @@ from torch._dynamo.variables.lists import BaseListVariable
 
 from hop import _subgraph
 from hop._unbacked import _changes, _generalize, _placeholder
+from hop.compile import _inductor_rewrites as rw
 from hop.compile._dynamo_capture import (
     VT,
     HopVariable,
     Subgraph,
+    as_graph_break,
     bare_single_output,
     callable_stand_in,
     check_spec_order,
+    compiles_with_inductor,
     constant,
     emit,
     example,
@@ -165,6 +168,7 @@ class WhileLoopVariable(HopVariable):
                 break
             varying = [v | g for v, g in zip(varying, grew, strict=True)]
         check_spec_order("while_loop", [py_spec, body.out_spec()], "carried_inputs and body_fn's output")
+        _check_inductor_carries(tx, "while_loop" if fns[0] is not None else "fori_loop", values, varying)
         generic = _generic_carries(tx, values, varying)  # fresh values: no fake-tensor memo shared with body_fn
         cond = self.trace(tx, "cond_fn", cond_fn, generic, spec, additional)
         while_module._truth(pytree.tree_unflatten([example(o) for o in cond.outputs], cond.out_spec()), fns[0])
@@ -185,6 +189,21 @@ class WhileLoopVariable(HopVariable):
         if reads:
             _bind_sizes(sub.graph, reads)
         return sub
+
+
+def _check_inductor_carries(tx: Any, op: str, values: Sequence[Any], varying: Sequence[set[int]]) -> None:
+    """Under Inductor, a loop whose tensor carries change size breaks the graph (and runs
+    eagerly) instead of failing later in the backend (``rw.growing_carries``)."""
+    # fori_loop's carries are (counter, *leaves of init_val): name the user's leaves.
+    first, what = (1, "init_val leaf") if op == "fori_loop" else (0, "carry")
+    resized = [
+        f"{what} {k - first}, dim {d}"
+        for k, v in enumerate(values)
+        if isinstance(v, torch.Tensor)
+        for d in sorted(varying[k])
+    ]
+    if resized and compiles_with_inductor(tx):
+        raise as_graph_break(rw.growing_carries(op, resized))
 
 
 def _no_check(carry: Any, out: Any) -> None:

@@ -17,13 +17,23 @@ from typing import Any
 import torch
 import torch.fx
 
-from hop.errors import HopValueError, format_message
+from hop.errors import CompileUnsupported, HopValueError, format_message
 from hop.ops.associative_scan import associative_scan_dense, associative_scan_op
 from hop.ops.map import map_op
 from hop.ops.scan import scan_op
 from hop.ops.switch import switch_op
 
-__all__ = ["REWRITES", "free_symbols", "plain_symbols"]
+__all__ = [
+    "REWRITES",
+    "bound_int_outputs",
+    "cond_needs_rewrite",
+    "free_symbols",
+    "growing_carries",
+    "plain_symbols",
+    "resized_carries",
+    "rewrite_cond",
+    "rewrite_switch",
+]
 
 Fn = Callable[..., Any]
 _check: Callable[..., None] = torch._check  # untyped in torch
@@ -47,6 +57,33 @@ def plain_symbols(values: Sequence[Any]) -> dict[Any, Any]:
     return out
 
 
+def resized_carries(carried: Sequence[Any], outputs: Sequence[Any]) -> list[str]:
+    """``"carry k, dim d"`` for each tensor carry dimension whose size the loop may change."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return [
+        f"carry {k}, dim {d}"
+        for k, (c, o) in enumerate(zip(carried, outputs, strict=True))
+        if isinstance(c, torch.Tensor)
+        for d in range(c.dim())
+        if not statically_known_true(c.shape[d] == o.shape[d])
+    ]
+
+
+def growing_carries(op: str, resized: Sequence[str]) -> CompileUnsupported:
+    """Inductor's while loop preallocates each carry once, at its initial size: a loop
+    whose carries grow or shrink has no lowering there (aot_eager runs it)."""
+    what = (
+        f"loop carries that change size between iterations ({'; '.join(resized)}) do not compile with"
+        " Inductor, whose while loop keeps every carry at its initial size"
+    )
+    fix = (
+        'Compile with backend="aot_eager", or pad the carries to a fixed size (with a length or mask'
+        " carry for the valid part)."
+    )
+    return CompileUnsupported(format_message(op, what, fix=fix), op=op)
+
+
 def _outputs(node: torch.fx.Node) -> list[Any]:
     val = node.meta["val"]
     return list(val) if isinstance(val, (tuple, list)) else [val]
@@ -61,24 +98,127 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
+# Note [int outputs of branches]
+# Inductor's conditional holds tensors only: a branch output that is an int (or a
+# SymInt) leaves each branch as a 0-dim int64 CPU tensor and is read back after
+# the cond with .item(). A value the branches agree on is known without the read:
+# the node's int, or its symbolic size expressed in the inputs' sizes. A value
+# they disagree on is an unbacked symbol the hop node defines; the read defines
+# it instead (its node takes over the hop node's binding, see
+# ``hop.compile.inductor._rebind_items``), so the code after the cond, which
+# uses that symbol, is unchanged.
+
+
+def cond_needs_rewrite(node: torch.fx.Node) -> bool:
+    """Whether a cond node has int outputs, or None operands (a backward graph passes
+    None as the cotangent of an int output): Inductor's conditional takes neither."""
+    operands = node.args[3]
+    assert isinstance(operands, (tuple, list))
+    return any(not isinstance(v, torch.Tensor) for v in _outputs(node)) or any(o is None for o in operands)
+
+
+def _drop_nones(operands: Sequence[Any], fns: Sequence[Fn]) -> tuple[tuple[Any, ...], list[Fn]]:
+    """The operands that are not None, and ``fns`` taking those, passing None in place
+    of the others (Inductor cannot hold a None as an operand)."""
+
+    def full(kept: Sequence[Any]) -> list[Any]:
+        it = iter(kept)
+        return [None if o is None else next(it) for o in operands]
+
+    return tuple(o for o in operands if o is not None), [lambda *kept, f=f: f(*full(kept)) for f in fns]
+
+
+def bound_int_outputs(node: torch.fx.Node) -> dict[int, Any]:
+    """output position -> the unbacked symbol the node defines there, for int outputs."""
+    bare = not isinstance(node.meta["val"], (tuple, list))
+    out = {}
+    for symbol, path in (node.meta.get("unbacked_bindings") or {}).items():
+        if bare and not path:
+            out[0] = symbol
+        elif len(path) == 1 and isinstance(path[0], torch.utils._pytree.SequenceKey):
+            out[path[0].idx] = symbol
+    return out
+
+
+def _refuse_resized(name: str, node: torch.fx.Node, what: str, fix: str) -> None:
+    """torch's cond, which the rewrite builds, cannot unify data-dependent output sizes
+    that differ between branches (hop's cond, lowered directly, can): refuse such a node.
+    Its unbacked symbols at a tensor's size have paths longer than an output position."""
+    if any(len(path) > 1 for path in (node.meta.get("unbacked_bindings") or {}).values()):
+        what = f"{what} (a data-dependent size) do not compile with Inductor"
+        raise CompileUnsupported(format_message(name, what, fix=fix), op=name)
+
+
+def _tensor_outputs(fn: Fn) -> Fn:
+    """``fn`` with its int outputs as 0-dim int64 tensors (Note [int outputs of branches])."""
+
+    def wrapped(*args: Any) -> tuple[Any, ...]:
+        return tuple(
+            v if isinstance(v, torch.Tensor) else torch.full((), v, dtype=torch.int64, device="cpu")
+            for v in _as_tuple(fn(*args))
+        )
+
+    return wrapped
+
+
+def _int_outputs(name: str, node: torch.fx.Node, out: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """The outputs of a cond whose branches were ``_tensor_outputs``, with the node's ints back."""
+    bound = bound_int_outputs(node)
+    result = []
+    for k, (v, meta) in enumerate(zip(out, _outputs(node), strict=True)):
+        if isinstance(meta, torch.Tensor):
+            result.append(v)
+        elif k in bound:
+            result.append(v.item())
+        elif isinstance(meta, torch.SymInt):
+            result.append(_sizes(name, [meta], inputs)[0])
+        else:
+            result.append(meta)
+    return result
+
+
+def rewrite_cond(
+    node: torch.fx.Node, inputs: Sequence[Any], pred: Any, true_fn: Fn, false_fn: Fn, operands: Any
+) -> Any:
+    """A cond with int outputs (Note [int outputs of branches]) or None operands; others
+    go to Inductor's lowering as they are."""
+    _refuse_resized(
+        "cond",
+        node,
+        "branches returning ints beside outputs whose sizes differ between the branches",
+        'Return such an int as a 0-dim tensor (torch.tensor(n)), or compile with backend="aot_eager".',
+    )
+    operands, (true_fn, false_fn) = _drop_nones(operands, (true_fn, false_fn))
+    out = torch.ops.higher_order.cond(pred, _tensor_outputs(true_fn), _tensor_outputs(false_fn), operands)
+    return _like_node(node, _int_outputs("cond", node, out, inputs))
+
+
 def rewrite_switch(
     node: torch.fx.Node, inputs: Sequence[Any], index: Any, operands: Sequence[Any], *branches: Fn
 ) -> Any:
     """``branches[index](*operands)`` as nested conds; an index out of range fails an assert."""
+    _refuse_resized(
+        "switch",
+        node,
+        "branches whose output sizes differ",
+        'Pad the branches\' outputs to one size, nest hop.cond calls, or compile with backend="aot_eager".',
+    )
     n = len(branches)
     if isinstance(index, torch.Tensor):
         torch._assert_async((index >= 0) & (index < n), f"hop.switch: index out of range for {n} branches")
     else:
         _check(index >= 0)
         _check(index < n)
-    flat = [lambda i, *ops, b=b: _as_tuple(b(*ops)) for b in branches]
+    operands, kept = _drop_nones(operands, branches)
+    wrapped = [_tensor_outputs(b) for b in kept]
+    flat = [lambda i, *ops, b=b: b(*ops) for b in wrapped]
 
     def pick(k: int, i: Any, *ops: Any) -> Any:
         if k == n - 1:
             return flat[k](i, *ops)
         return torch.ops.higher_order.cond(i == k, flat[k], lambda *a: pick(k + 1, *a), (i, *ops))
 
-    return _like_node(node, list(pick(0, index, *operands)))
+    return _like_node(node, _int_outputs("switch", node, list(pick(0, index, *operands)), inputs))
 
 
 def rewrite_map(
@@ -219,6 +359,12 @@ def _counted_loop(
     subgraph's symbols from its inputs). ``last`` caps the counter in the condition
     (a ``sym_min`` in ``stop`` would be resolved at trace time).
     """
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if statically_known_true(stop <= start):
+        # No step runs: the body must not be traced, its checks (start <= k < stop)
+        # would fail at trace time. The outputs are copies, as the loop's would be.
+        return [c.clone() if isinstance(c, torch.Tensor) else c for c in carried]
     symbolic = isinstance(stop, torch.SymInt)
     values = [*carried, *additional, *([stop] if symbolic else [])]
     known = plain_symbols(inputs)

@@ -9,7 +9,9 @@ never calls back into hop: an AOTInductor package runs where hop is not installe
 - ``cond``, ``while_loop`` (and ``fori_loop``, which is a while_loop): lowered
   by Inductor's lowerings of ``torch.ops.higher_order.cond`` / ``while_loop``
   (``ir.Conditional``, ``ir.WhileLoop``); the node layout is torch's. One
-  adaptation: hop returns a bare tensor for a single output, torch a list.
+  adaptation: hop returns a bare tensor for a single output, torch a list. A cond
+  with int outputs (or None operands, from a backward graph) is first rewritten by
+  the pass (Note [int outputs of branches]): Inductor's conditional holds tensors only.
 - ``switch``, ``map``, ``scan``, ``associative_scan``: rewritten by a post-grad
   pass (:class:`PostGradPass`, before Inductor's own passes; the rewrites are in
   :mod:`hop.compile._inductor_rewrites`) into torch's cond / while_loop and plain
@@ -275,6 +277,10 @@ class PostGradPass:
         if ours:
             _no_donated_buffers()
         for node in ours:
+            if node.target is while_loop_op:
+                _check_fixed_carries(node)
+            elif node.target is cond_op and rw.cond_needs_rewrite(node):
+                _rewrite(node, rw.rewrite_cond)
             if node.target in rw.REWRITES:
                 _rewrite(node, rw.REWRITES[node.target])
 
@@ -286,6 +292,20 @@ class PostGradPass:
         from torch._inductor.custom_graph_pass import get_hash_for_files
 
         return get_hash_for_files((__file__, rw.__file__))
+
+
+def _check_fixed_carries(node: torch.fx.Node) -> None:
+    """Refuse a loop whose carries change size (see ``rw.growing_carries``), before
+    Inductor's lowering fails on it with an assertion of its own."""
+    carried = [c.meta.get("val") if isinstance(c, torch.fx.Node) else c for c in node.args[2]]  # type: ignore[union-attr]
+    resized = rw.resized_carries(carried, _flat_outputs(node))
+    if resized:
+        raise rw.growing_carries("while_loop", resized)
+
+
+def _flat_outputs(node: torch.fx.Node) -> list[Any]:
+    val = node.meta["val"]
+    return list(val) if isinstance(val, (tuple, list)) else [val]
 
 
 def _rewrite(node: torch.fx.Node, rewrite: Fn) -> None:
@@ -309,8 +329,29 @@ def _rewrite(node: torch.fx.Node, rewrite: Fn) -> None:
         return rewrite(node, values, *pytree.tree_unflatten(full, spec))
 
     _allow_scalar_outputs()
+    # Only the branching rewrites read int outputs back (a scan's int carry is a loop output).
+    bound = rw.bound_int_outputs(node) if rewrite in (rw.rewrite_cond, rw.rewrite_switch) else {}
+    vals = _flat_outputs(node)
     match: Any = CallFunctionVarArgs(node.target).match(node)
-    match.replace_by_example(replacement, [*inputs, *_symbol_sources(node, inputs)], run_functional_passes=False)
+    added = match.replace_by_example(
+        replacement, [*inputs, *_symbol_sources(node, inputs)], run_functional_passes=False
+    )
+    _rebind_items(added, {symbol: vals[k] for k, symbol in sorted(bound.items())})
+
+
+def _rebind_items(added: Sequence[torch.fx.Node], bound: dict[Any, Any]) -> None:
+    """Note [int outputs of branches]: the rewrite read each int output the hop node
+    defined (``bound``: symbol -> its value, in output order) with one ``.item()``, in
+    that order; each read now defines the node's symbol instead of a fresh one."""
+    items = [n for n in added if n.target is torch.ops.aten._local_scalar_dense.default]
+    if len(items) != len(bound):
+        raise HopRuntimeError(
+            format_message("compile", f"Inductor: {len(bound)} int outputs but {len(items)} reads were rewritten"),
+            op="compile",
+        )
+    for item, (symbol, val) in zip(items, bound.items(), strict=True):
+        item.meta["val"] = val
+        item.meta["unbacked_bindings"] = {symbol: ()}
 
 
 def _allow_scalar_outputs() -> None:

@@ -1,0 +1,162 @@
+"""Edge cases of hop's operators under Inductor: zero-length scans, int outputs of
+branches, loop carries that change size. Each test compiles one small program."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import hop
+from hop.errors import CompileUnsupported
+
+
+def _scans(xs: torch.Tensor) -> Any:
+    ys = hop.map(lambda r: r * 2, xs)
+    carry, zs = hop.scan(lambda c, r: (c * r, c + r), torch.ones(2), xs)
+    return ys, carry, zs
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_zero_length_map_and_scan(dynamic: bool) -> None:
+    """A length-0 map or scan runs no step: empty ys and a copy of init, as in eager
+    (the rewritten loop's body was traced anyway, and its bound checks failed). With
+    ``dynamic=True``, length 0 recompiles after a length-4 call (0 is specialized)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_scans, backend="inductor", fullgraph=True, dynamic=dynamic)
+    for n in (4, 0) if dynamic else (0,):
+        xs = torch.randn(n, 2)
+        torch.testing.assert_close(compiled(xs), _scans(xs))
+    torch._dynamo.reset()
+
+
+def _ints(a: torch.Tensor) -> Any:
+    """cond and switch branches returning ints beside tensors: constants they agree on
+    or not, a size, an ``.item()``; a bare int output; each int used after the call."""
+    y, n, same = hop.cond(a.sum() > 0, lambda u: (u * 2, (u > 0).sum().item(), 7), lambda u: (u - 1, 3, 7), (a,))
+    index = (a.sum() > 0).long() + (a.sum() > 5).long()
+    branches = [
+        lambda u: (u * 2, 4, u.shape[0]),
+        lambda u: (u - 1, 5, u.shape[0]),
+        lambda u: (u + 1, (u > 0).sum().item(), u.shape[0]),
+    ]
+    z, m, rows = hop.switch(index, branches, (a,))
+    bare = hop.cond(a.sum() > 0, lambda u: u.shape[0] * 2, lambda u: u.shape[0] + 1, (a,))
+    return y * n + z * m + rows * same, torch.zeros(m).sum() + bare, n, m
+
+
+_INT_INPUTS = [torch.randn(6, 3), -torch.rand(6, 3), torch.rand(5, 3) + 1, torch.rand(4, 3) * 0.1]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_int_outputs_of_branches(dynamic: bool) -> None:
+    """Inductor's conditional holds tensors only: ints leave the branches as 0-dim
+    tensors and are read back after it (Note [int outputs of branches])."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_ints, backend="inductor", fullgraph=True, dynamic=dynamic)
+    for x in _INT_INPUTS:
+        torch.testing.assert_close(compiled(x), _ints(x))
+    torch._dynamo.reset()
+
+
+def test_int_outputs_of_branches_backward() -> None:
+    """The backward cond and switch get None as the int outputs' cotangents: not operands
+    of Inductor's conditional."""
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        y, n = hop.cond(a.sum() > 0, lambda u: (u * 2, (u > 0).sum().item()), lambda u: (u - 1, 3), (a,))
+        z, m = hop.switch((a.sum() > 0).long(), [lambda u: (u.sin(), 4), lambda u: (u - 1, 5)], (a,))
+        return y * n + z * m
+
+    torch._dynamo.reset()
+    x = torch.randn(6, 3, requires_grad=True)
+    out = torch.compile(f, backend="inductor", fullgraph=True)(x)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x), torch.autograd.grad(f(x).sum(), x))
+    torch._dynamo.reset()
+
+
+def _sized_cond(a: torch.Tensor) -> Any:
+    return hop.cond(a.sum() > 0, lambda u: (u[:2], 2), lambda u: (u[:3], 3), (a,))
+
+
+def _sized_switch(a: torch.Tensor) -> Any:
+    return hop.switch((a.sum() > 0).long(), [lambda u: u[:2] * 2, lambda u: u[:3]], (a,))
+
+
+_SIZED = [
+    (_sized_cond, "hop.cond: branches returning ints beside outputs whose sizes differ between the branches"),
+    (_sized_switch, "hop.switch: branches whose output sizes differ"),
+]
+
+
+@pytest.mark.parametrize(("fn", "message"), _SIZED, ids=["cond", "switch"])
+def test_rewritten_branches_of_differing_sizes_are_refused(fn: Any, message: str) -> None:
+    """The rewrite builds torch's cond, which cannot unify data-dependent sizes that differ
+    between branches: a clear refusal, before any code is generated, not torch's TypeError."""
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=re.escape(message + " (a data-dependent size) do not compile")) as info:
+        torch.compile(fn, backend="inductor", fullgraph=True)(torch.rand(6, 3))
+    assert any(isinstance(e, CompileUnsupported) for e in _causes(info.value))
+    torch._dynamo.reset()
+
+
+def _grow(s: torch.Tensor) -> torch.Tensor:
+    return hop.while_loop(lambda a: a.shape[0] < 8, lambda a: torch.cat([a, a[-1:] + 1]), (s,))[0] * 2
+
+
+def _shrink(s: torch.Tensor) -> torch.Tensor:
+    return hop.while_loop(lambda a: a.sum() > 1, lambda a: a[a > a.mean()] * 0.9, (s,))[0] + 1
+
+
+def _fori_grow(s: torch.Tensor) -> torch.Tensor:
+    return hop.fori_loop(0, 3, lambda i, a: torch.cat([a, a[-1:] + i]), s)
+
+
+_RESIZED = "loop carries that change size between iterations ({}, dim 0) do not compile with Inductor"
+_CARRIES = [
+    (_grow, torch.zeros(2), "hop.while_loop: " + _RESIZED.format("carry 0")),
+    (_shrink, torch.tensor([3.0, 1, 2, 5]), "hop.while_loop: " + _RESIZED.format("carry 0")),
+    (_fori_grow, torch.zeros(2), "hop.fori_loop: " + _RESIZED.format("init_val leaf 0")),
+]
+
+
+@pytest.mark.parametrize(("fn", "x", "message"), _CARRIES, ids=["grow", "shrink", "fori"])
+def test_resized_carries_are_refused_with_fullgraph(fn: Any, x: torch.Tensor, message: str) -> None:
+    """Inductor's while loop keeps carries at their initial size: Dynamo refuses the loop
+    (before any Inductor build) with a message that says what to do instead."""
+    torch._dynamo.reset()
+    with pytest.raises(CompileUnsupported, match=re.escape(message)) as info:
+        torch.compile(fn, backend="inductor", fullgraph=True)(x)
+    assert 'backend="aot_eager"' in str(info.value)
+    torch._dynamo.reset()
+
+
+def test_resized_carries_break_the_graph_without_fullgraph() -> None:
+    """The loop runs eagerly, the rest compiles: the result is eager's."""
+    torch._dynamo.reset()
+    for fn, x, _ in _CARRIES:
+        torch.testing.assert_close(torch.compile(fn, backend="inductor")(x), fn(x))
+    torch._dynamo.reset()
+
+
+def test_resized_carries_are_refused_by_aoti() -> None:
+    """An exported program reaches Inductor without Dynamo's check: hop's post-grad pass
+    refuses the loop (the build stops before any code is generated)."""
+
+    class Grow(torch.nn.Module):
+        def forward(self, s: torch.Tensor) -> torch.Tensor:
+            return _grow(s)
+
+    ep = torch.export.export(Grow(), (torch.zeros(2),))
+    with pytest.raises(Exception, match=re.escape(_CARRIES[0][2])) as info:
+        torch._inductor.aoti_compile_and_package(ep)
+    assert any(isinstance(e, CompileUnsupported) for e in _causes(info.value))
+
+
+def _causes(e: BaseException | None) -> Iterator[BaseException]:
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
