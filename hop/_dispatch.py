@@ -364,8 +364,6 @@ def _past_user_mode(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict
 
 def _runs_under_modes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """No active mode has a hop rule (none traces) and every tensor is a plain one."""
-    from hop._transforms import is_user_mode
-
     for i in range(_mode_stack_len()):
         mode = torch._C._get_dispatch_stack_at(i)
         if not is_user_mode(mode) and not getattr(mode, "supports_higher_order_operators", False):
@@ -375,8 +373,8 @@ def _runs_under_modes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def _under_modes(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Any) -> Any:
     tensors = tensors_in((args, kwargs))
-    keys = DispatchKeySet(_K.CPU)
-    for t in tensors:
+    keys = DispatchKeySet(_K.CPU) if not tensors else torch._C._dispatch_keys(tensors[0])
+    for t in tensors[1:]:
         keys = keys | torch._C._dispatch_keys(t)
     key = (keys & _BELOW_PYTHON & op.non_fallthrough_keys).highestPriorityTypeId()
     kernel = op._hop_kernels.get(key) or _kernel(op, key)
