@@ -74,6 +74,9 @@ _VERDICTS: dict[Any, set[Any]] = {}
 # output check fails, to say that callable was checked by its real call alone).
 _UNCHECKED: dict[Any, dict[int, str]] = {}
 _SINKS = _observe.SINKS
+# Per operator, the inline cache of validated eager calls (Note [the eager inline
+# cache] in hop.ops._inline): each entry holds a verdict, and goes with it.
+INLINE: dict[str, dict[int, tuple[Any, ...]]] = {"cond": {}, "switch": {}}
 
 
 def value_key(v: Any) -> Any:
@@ -160,8 +163,7 @@ def remember(key: Any, kind: Any = None) -> None:
     """Record a passed validation and the kind of output it found (None: no branch
     could run on fake tensors), starting over when the cache is full."""
     if len(_VERDICTS) >= _cache_size():
-        _VERDICTS.clear()
-        _UNCHECKED.clear()
+        clear()
     _VERDICTS[key] = set() if kind is None else {kind}
     _observe.verdict(key, kind)
 
@@ -202,6 +204,16 @@ def remember_unchecked(key: Any, unchecked: dict[int, str]) -> None:
 def forget(key: Any) -> None:
     _VERDICTS.pop(key, None)
     _UNCHECKED.pop(key, None)
+    for cache in INLINE.values():
+        cache.clear()
+
+
+def clear() -> None:
+    """Forget every verdict (the next call of each signature validates again)."""
+    _VERDICTS.clear()
+    _UNCHECKED.clear()
+    for cache in INLINE.values():
+        cache.clear()
 
 
 # Note [outputs are checked on every call]

@@ -40,6 +40,7 @@ from hop.errors import (
     format_message,
     type_name,
 )
+from hop.ops import _inline
 from hop.ops._common import check_effects, differentiable, save_operands, saved_operands
 from hop.ops._zero_grads import only_vmap_levels, reads_nothing, zero_untaken
 
@@ -190,7 +191,7 @@ def _validate_under_transform(
     return _validate(b, branches, operands, leaves, spec, b.index(sel, len(branches)))
 
 
-MISS = object()
+MISS = _inline.MISS
 _SINKS = _observe.SINKS
 _Tensor = torch.Tensor
 _Function = FunctionType
@@ -260,6 +261,7 @@ def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> 
     kinds = _VERDICTS.get(signature)
     if kinds is None:
         return MISS
+    _inline.remember(b.name, branches, x, signature, kinds)  # later calls: Note [the eager inline cache]
     out = branches[k](x)
     # Note [outputs are checked on every call]
     if (type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds) and not (
@@ -271,6 +273,16 @@ def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> 
     if type(out) is _Tensor and out is not x and not out._is_view():
         return out
     return no_alias_tree(out, (x,))
+
+
+def finish_ran(b: Branching, branches: Sequence[Fn], operands: Sequence[Any], out: Any, k: int, entry: Any) -> Any:
+    """Finish a call the inline cache found (Note [the eager inline cache]): branch
+    ``k`` returned ``out``, which needs more than the cache checks (a new output
+    kind, zero gradients, an alias of the operand)."""
+    key = entry[-1]
+    if not validation.known_kind(key, out):  # Note [outputs are checked on every call]
+        check_new_kind(b, key, branches, operands, k, out)
+    return finish_eager(out, branches, operands)
 
 
 def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:

@@ -17,13 +17,13 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _reference, config
+from hop import _observe, _reference
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, functorch_level, is_dynamo_compiling, mode_stack_len, tf_mode_enabled
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.ops import _branching as br
-from hop.ops._zero_grads import reads_nothing as _reads_nothing
+from hop.ops import _inline
 
 __all__ = ["cond", "cond_op"]
 
@@ -35,6 +35,8 @@ _grad_enabled = torch.is_grad_enabled
 _INT_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 _VERDICTS = validation._VERDICTS
 _SINKS = _observe.SINKS
+_fast = _inline.cond
+_MISS = _inline.MISS
 
 
 def cond(
@@ -79,46 +81,27 @@ def cond(
                 raise HopTypeError(format_message("cond", f"{role} must be callable, got {type(fn).__name__}"))
         br.check_operands("cond", operands)
         return true_fn(*operands) if pred else false_fn(*operands)
+    r = _fast(pred, true_fn, false_fn, operands)  # Note [the eager inline cache]
+    if type(r) is _Tensor:
+        return r
+    if r is not _MISS:
+        return br.finish_ran(COND, (true_fn, false_fn), operands, *r)
     if (
         type(pred) is _Tensor
         and type(operands) is tuple
-        and pred.dtype is _BOOL
         and not mode_stack_len()
         and functorch_level() is None
         and not tf_mode_enabled()  # also active whenever torch.export's pre-dispatch tracer is
     ):  # plain eager: see _branching.eager_fast
         try:
-            k = 0 if pred else 1  # meta or several elements raise: the general path explains
+            k = 0 if pred else 1  # a number's truth, as a Python if; meta or several elements raise
         except (RuntimeError, NotImplementedError):
-            k = -1
+            k = -1  # the general path explains
         if k >= 0:
-            # The commonest call, long-hand: one tensor, two closure-free functions, a
-            # validated signature (the key is validation.flat_signature's).
-            kinds = None
-            if len(operands) == 1 and config.validate is _ONCE:
-                x = operands[0]
-                if (
-                    type(x) is _Tensor
-                    and type(true_fn) is _Function
-                    and type(false_fn) is _Function
-                    and true_fn.__closure__ is None
-                    and false_fn.__closure__ is None
-                ):
-                    key = ("cond", true_fn.__code__, false_fn.__code__, x.dtype, x.ndim, x.get_device())
-                    kinds = _VERDICTS.get(key)
-                if kinds is not None:
-                    out = (false_fn if k else true_fn)(x)
-                    # Note [outputs are checked on every call]
-                    if type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds:
-                        _check_kind(key, true_fn, false_fn, operands, k, out)
-                    # Note [untaken branches get zero gradients]: rarely needed, decided long-hand
-                    if _grad_enabled() and (
-                        x.requires_grad or not (_reads_nothing(true_fn) and _reads_nothing(false_fn))
-                    ):
-                        return br.finish_eager(out, (true_fn, false_fn), operands)
-                    if type(out) is _Tensor and out is not x and not out._is_view():
-                        return out
-                    return br.no_alias_tree(out, operands)
+            if len(operands) == 1 and type(operands[0]) is _Tensor:  # the commonest call
+                out = br.eager_one(COND, k, (true_fn, false_fn), operands[0])
+                if out is not br.MISS:
+                    return out
             out = br.eager_fast("cond", k, (true_fn, false_fn), operands)
             if out is not br.MISS:
                 return out
@@ -128,11 +111,6 @@ def cond(
     if isinstance(pred, torch.Tensor) and pred.dtype is not _BOOL:
         pred = pred != 0  # a number's truth, as a Python if (the graph then holds a bool pred)
     return br.call(COND, pred, (true_fn, false_fn), operands)
-
-
-def _check_kind(key: Any, true_fn: Fn, false_fn: Fn, operands: tuple[Any, ...], k: int, out: Any) -> None:
-    if not validation.known_kind(key, out):
-        br.check_new_kind(COND, key, (true_fn, false_fn), operands, k, out)
 
 
 def _is_numpy_bool(pred: Any) -> bool:

@@ -29,6 +29,7 @@ from hop._transforms import (
 )
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _branching as br
+from hop.ops import _inline
 
 __all__ = ["switch", "switch_op"]
 
@@ -39,6 +40,8 @@ _INDEX_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 Fn = Callable[..., Any]
 _check: Callable[..., None] = torch._check  # untyped in torch
 _SINKS = _observe.SINKS
+_fast = _inline.switch
+_MISS = _inline.MISS
 
 
 def switch(
@@ -73,6 +76,11 @@ def switch(
         return switch_op(DYNAMO_CALL, switch, index, branches, operands)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
         return _observe.watch("switch", switch, (index, branches, operands))
+    r = _fast(index, branches, operands)  # Note [the eager inline cache]
+    if type(r) is _Tensor:
+        return r
+    if r is not _MISS:
+        return br.finish_ran(SWITCH, tuple(branches), operands, *r)
     if (
         type(index) is _Tensor
         and type(operands) is tuple

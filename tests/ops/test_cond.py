@@ -760,7 +760,7 @@ def test_validation_can_be_turned_off_or_made_to_run_every_time(monkeypatch: pyt
 
 
 def test_validation_cache_is_bounded_with_fresh_closures(monkeypatch: pytest.MonkeyPatch) -> None:
-    validation._VERDICTS.clear()
+    validation.clear()
     x = torch.ones(2)
     for i in range(100_000):  # a fresh closure (over a fresh tensor) every call: one signature
         w = torch.full((2,), float(i))

@@ -1,0 +1,462 @@
+/* hop._fastpath: the steady-state eager call of hop.cond and hop.switch in C.
+
+Note [the eager inline cache]
+A plain eager cond/switch whose signature is validated runs one branch and then
+checks what Python checks (hop/ops/_inline.py holds the same function in Python,
+used where this module is not built, and is the reference for it). Written in
+Python, the checks alone cost about a Python `if` (every tensor attribute read is
+~45 ns through the interpreter): this module makes them a few struct reads.
+
+An entry of the inline cache is made by Python (hop.ops._inline.remember) after a
+call found its verdict; it is keyed by a fold of the addresses of the branches'
+code (a builtin's own address) and the operand's dtype, rank and device, and holds:
+
+    (items, dtype, ndim, device, kinds, usual, plain, globals, watch, key)
+
+items: per branch its code object (a plain function) or the builtin itself;
+dtype/ndim/device: the operand's kind the verdict is for; kinds: the verdict's set
+of output kinds; usual: one of them (None if there is none), compared first without
+building a tuple; plain: no branch could read a tensor but its argument; globals:
+per branch its __globals__ (None for builtins); watch: (dict, name, value) of the
+globals `plain` was decided on; key: the verdict's key.
+
+cond() and switch() return the result, MISS (nothing ran: Python takes over), or
+(out, k, entry): branch k ran and returned out, which Python must finish (a new
+output kind, zero gradients to attach, an alias to clone). Nothing here raises
+but what the branch or reading the selector raises; a selector that cannot be
+read as Python reads it (meta, several elements) is a MISS, and Python explains it.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *Tensor;         /* torch.Tensor */
+static PyObject *MISS;           /* hop.ops._inline.MISS */
+static PyObject *config;         /* the hop.config module's __dict__ */
+static PyObject *once;           /* "once" */
+static PyObject *index_dtypes;   /* switch's integer dtypes (a set) */
+static PyObject *cond_cache;     /* dict: key (see find) -> entry */
+static PyObject *switch_cache;
+static PyObject *mode_stack_len; /* torch._C._len_torch_dispatch_stack */
+static PyObject *functorch_level;/* torch._C._functorch.maybe_current_level */
+static PyObject *tf_mode;        /* torch._C._is_torch_function_mode_enabled */
+static PyObject *grad_enabled;   /* torch.is_grad_enabled */
+static PyObject *s_dtype, *s_ndim, *s_get_device, *s_requires_grad, *s_is_view, *s_validate;
+
+enum { E_ITEMS, E_DTYPE, E_NDIM, E_DEVICE, E_KINDS, E_USUAL, E_PLAIN, E_GLOBALS, E_WATCH, E_KEY, E_SIZE };
+
+/* 1 when no dispatch mode, no functorch transform and no torch-function mode is
+   active (hop._transforms' plain eager), 0 otherwise, -1 on error. */
+static int
+plain_eager(void)
+{
+    PyObject *r = PyObject_CallNoArgs(mode_stack_len);
+    if (r == NULL)
+        return -1;
+    int none = PyLong_Check(r) && PyLong_AsLong(r) == 0;
+    Py_DECREF(r);
+    if (!none)
+        return PyErr_Occurred() ? -1 : 0;
+    r = PyObject_CallNoArgs(functorch_level);
+    if (r == NULL)
+        return -1;
+    none = r == Py_None;
+    Py_DECREF(r);
+    if (!none)
+        return 0;
+    r = PyObject_CallNoArgs(tf_mode);
+    if (r == NULL)
+        return -1;
+    none = r == Py_False;
+    Py_DECREF(r);
+    return none;
+}
+
+static int
+validate_once(void)
+{
+    PyObject *v = PyDict_GetItemWithError(config, s_validate); /* borrowed */
+    return v == NULL ? (PyErr_Occurred() ? -1 : 0) : v == once;
+}
+
+/* An int attribute or method result of t, -1 with an error set on failure. */
+static long
+int_of(PyObject *t, PyObject *name, int method, int *err)
+{
+    PyObject *v = method ? PyObject_CallMethodNoArgs(t, name) : PyObject_GetAttr(t, name);
+    if (v == NULL) {
+        *err = 1;
+        return -1;
+    }
+    long n = PyLong_AsLong(v);
+    Py_DECREF(v);
+    if (n == -1 && PyErr_Occurred())
+        *err = 1;
+    return n;
+}
+
+/* 1 when t's attribute (or, with method, its method's result) is truthy, 0 if not, -1 on error. */
+static int
+truth_of(PyObject *t, PyObject *name, int method)
+{
+    PyObject *v = method ? PyObject_CallMethodNoArgs(t, name) : PyObject_GetAttr(t, name);
+    if (v == NULL)
+        return -1;
+    int yes = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return yes;
+}
+
+/* What identifies a branch in an entry: a plain function's code, a builtin itself;
+   NULL for anything else (never cached). */
+static PyObject *
+item_of(PyObject *fn)
+{
+    if (Py_IS_TYPE(fn, &PyFunction_Type))
+        return PyFunction_GET_CLOSURE(fn) == NULL ? PyFunction_GET_CODE(fn) : NULL;
+    return Py_IS_TYPE(fn, &PyCFunction_Type) ? fn : NULL;
+}
+
+#define FOLD(h, v) (((h) * 1000003ULL) ^ (unsigned long long)(v))
+
+/* 1 when fns[:n] are the entry's branches. */
+static int
+same_branches(PyObject *e, PyObject *const *fns, Py_ssize_t n)
+{
+    PyObject *items = PyTuple_GET_ITEM(e, E_ITEMS);
+    if (PyTuple_GET_SIZE(items) != n)
+        return 0;
+    for (Py_ssize_t j = 0; j < n; j++)
+        if (item_of(fns[j]) != PyTuple_GET_ITEM(items, j))
+            return 0;
+    return 1;
+}
+
+/* Fold x's dtype, rank and device into h (and give them); -1 with an error set on failure. */
+static int
+fold_kind(PyObject *x, unsigned long long *h, PyObject **dtype_out, long *ndim_out, long *device_out)
+{
+    PyObject *dtype = PyObject_GetAttr(x, s_dtype);
+    if (dtype == NULL)
+        return -1;
+    Py_DECREF(dtype); /* torch keeps its dtypes for its lifetime: the address stays valid */
+    int err = 0;
+    long ndim = int_of(x, s_ndim, 0, &err);
+    long device = err ? -1 : int_of(x, s_get_device, 1, &err);
+    if (err)
+        return -1;
+    *h = FOLD(FOLD(FOLD(*h, (uintptr_t)dtype), (long long)ndim), (long long)device);
+    if (dtype_out != NULL) {
+        *dtype_out = dtype;
+        *ndim_out = ndim;
+        *device_out = device;
+    }
+    return 0;
+}
+
+/* The entry for these branches and this operand, borrowed; NULL with no error
+   set on a miss, NULL with an error set on failure. Its key (key() gives it to
+   Python) folds the addresses of the branches' items and the operand's kind. */
+static PyObject *
+find(PyObject *cache, PyObject *const *fns, Py_ssize_t n, PyObject *x)
+{
+    unsigned long long h = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *item = item_of(fns[j]);
+        if (item == NULL)
+            return NULL;
+        h = FOLD(h, (uintptr_t)item);
+    }
+    PyObject *dtype;
+    long ndim, device;
+    if (fold_kind(x, &h, &dtype, &ndim, &device) < 0)
+        return NULL;
+    PyObject *id = PyLong_FromUnsignedLongLong(h);
+    if (id == NULL)
+        return NULL;
+    PyObject *e = PyDict_GetItemWithError(cache, id);
+    Py_DECREF(id);
+    if (e == NULL || !PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != E_SIZE)
+        return NULL;
+    if (PyTuple_GET_ITEM(e, E_DTYPE) != dtype || PyLong_AsLong(PyTuple_GET_ITEM(e, E_NDIM)) != ndim ||
+        PyLong_AsLong(PyTuple_GET_ITEM(e, E_DEVICE)) != device)
+        return NULL;
+    return same_branches(e, fns, n) ? e : NULL;
+}
+
+/* 1 when an output of this kind was validated, 0 when not, -1 on error. */
+static int
+known_kind(PyObject *out, PyObject *kinds, PyObject *usual)
+{
+    if (!Py_IS_TYPE(out, (PyTypeObject *)Tensor))
+        return 0;
+    PyObject *dtype = PyObject_GetAttr(out, s_dtype);
+    if (dtype == NULL)
+        return -1;
+    Py_DECREF(dtype); /* torch keeps its dtypes for its lifetime */
+    int err = 0;
+    long ndim = int_of(out, s_ndim, 0, &err);
+    long device = err ? -1 : int_of(out, s_get_device, 1, &err);
+    if (err)
+        return -1;
+    if (usual != Py_None && PyTuple_GET_ITEM(usual, 0) == dtype &&
+        PyLong_AsLong(PyTuple_GET_ITEM(usual, 1)) == ndim && PyLong_AsLong(PyTuple_GET_ITEM(usual, 2)) == device)
+        return 1;
+    PyObject *kind = Py_BuildValue("(Oll)", dtype, ndim, device);
+    if (kind == NULL)
+        return -1;
+    int yes = PySet_Contains(kinds, kind);
+    Py_DECREF(kind);
+    return yes;
+}
+
+/* 1 when no branch can read a tensor but its argument, as when the entry was
+   made (Note [untaken branches get zero gradients]); 0 when that must be decided
+   again; -1 on error. */
+static int
+still_plain(PyObject *e, PyObject *const *fns, Py_ssize_t n)
+{
+    if (PyTuple_GET_ITEM(e, E_PLAIN) != Py_True)
+        return 0;
+    PyObject *globals = PyTuple_GET_ITEM(e, E_GLOBALS);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *fn = fns[j];
+        if (!Py_IS_TYPE(fn, &PyFunction_Type))
+            continue;
+        if (PyFunction_GET_GLOBALS(fn) != PyTuple_GET_ITEM(globals, j))
+            return 0;
+        PyObject *d = PyFunction_GET_DEFAULTS(fn), *kw = PyFunction_GET_KW_DEFAULTS(fn);
+        if ((d != NULL && PyObject_IsTrue(d)) || (kw != NULL && PyObject_IsTrue(kw)))
+            return 0;
+    }
+    PyObject *watch = PyTuple_GET_ITEM(e, E_WATCH);
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(watch); j++) {
+        PyObject *w = PyTuple_GET_ITEM(watch, j);
+        PyObject *v = PyDict_GetItemWithError(PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
+        if (v == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            v = Py_None;
+        }
+        if (v != PyTuple_GET_ITEM(w, 2))
+            return 0;
+    }
+    return 1;
+}
+
+/* fns[k](x) for the entry e found for this call: the result, or (out, k, e) when
+   Python must finish it. fns are the items of seq when it is not NULL (switch's
+   list, which the branch may change: it is read again after). */
+static PyObject *
+run(PyObject *e, PyObject *seq, PyObject *const *fns, Py_ssize_t n, Py_ssize_t k, PyObject *x)
+{
+    PyObject *fn = fns[k];
+    Py_INCREF(e); /* the branch may empty the cache */
+    Py_INCREF(fn);
+    Py_XINCREF(seq);
+    PyObject *out = PyObject_CallOneArg(fn, x);
+    Py_DECREF(fn);
+    if (out == NULL) {
+        Py_XDECREF(seq);
+        Py_DECREF(e);
+        return NULL;
+    }
+    int done = 1;
+    if (seq != NULL) {
+        fns = PySequence_Fast_ITEMS(seq);
+        done = PySequence_Fast_GET_SIZE(seq) == n && same_branches(e, fns, n);
+    }
+    if (done)
+        done = known_kind(out, PyTuple_GET_ITEM(e, E_KINDS), PyTuple_GET_ITEM(e, E_USUAL));
+    if (done > 0) {
+        int needs_grad = truth_of(x, s_requires_grad, 0);
+        int plain = needs_grad == 0 ? still_plain(e, fns, n) : 0;
+        if (needs_grad < 0 || plain < 0)
+            done = -1;
+        else if (!plain) {
+            PyObject *g = PyObject_CallNoArgs(grad_enabled);
+            done = g == NULL ? -1 : g == Py_False;
+            Py_XDECREF(g);
+        }
+    }
+    if (done > 0 && out == x)
+        done = 0;
+    else if (done > 0) {
+        int view = truth_of(out, s_is_view, 1);
+        done = view < 0 ? -1 : !view;
+    }
+    Py_XDECREF(seq);
+    if (done != 0) {
+        Py_DECREF(e);
+        if (done > 0)
+            return out;
+        Py_DECREF(out);
+        return NULL;
+    }
+    return Py_BuildValue("(NnN)", out, k, e);
+}
+
+/* key(branches, x): the key find() looks an entry up by, None for branches never cached. */
+static PyObject *
+fast_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !(PyList_CheckExact(args[0]) || PyTuple_CheckExact(args[0]))) {
+        PyErr_SetString(PyExc_TypeError, "key(branches, x) takes a list or tuple and a tensor");
+        return NULL;
+    }
+    PyObject *const *fns = PySequence_Fast_ITEMS(args[0]);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(args[0]);
+    unsigned long long h = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *item = item_of(fns[j]);
+        if (item == NULL)
+            Py_RETURN_NONE;
+        h = FOLD(h, (uintptr_t)item);
+    }
+    if (fold_kind(args[1], &h, NULL, NULL, NULL) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* The errors reading a selector that Python's fast path also leaves to the general path. */
+static int
+unreadable(int value_error_too)
+{
+    if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_NotImplementedError) ||
+        (value_error_too && PyErr_ExceptionMatches(PyExc_ValueError))) {
+        PyErr_Clear();
+        return 1;
+    }
+    return 0;
+}
+
+static PyObject *
+miss(void)
+{
+    return Py_NewRef(MISS);
+}
+
+/* The one operand of a call the cache may serve (the selector and the operand plain
+   tensors, nothing active, validate "once"), borrowed; NULL otherwise, with an
+   error set on failure. */
+static PyObject *
+served_operand(PyObject *selector, PyObject *ops)
+{
+    if (Tensor == NULL || !Py_IS_TYPE(selector, (PyTypeObject *)Tensor) || !PyTuple_CheckExact(ops) ||
+        PyTuple_GET_SIZE(ops) != 1)
+        return NULL;
+    PyObject *x = PyTuple_GET_ITEM(ops, 0);
+    if (!Py_IS_TYPE(x, (PyTypeObject *)Tensor))
+        return NULL;
+    int ok = validate_once();
+    if (ok > 0)
+        ok = plain_eager();
+    return ok > 0 ? x : NULL;
+}
+
+/* cond(pred, true_fn, false_fn, operands) */
+static PyObject *
+fast_cond(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *x = nargs == 4 ? served_operand(args[0], args[3]) : NULL;
+    if (x == NULL)
+        return PyErr_Occurred() ? NULL : miss();
+    PyObject *e = find(cond_cache, args + 1, 2, x);
+    if (e == NULL)
+        return PyErr_Occurred() ? NULL : miss();
+    int truth = PyObject_IsTrue(args[0]);
+    if (truth < 0)
+        return unreadable(0) ? miss() : NULL;
+    return run(e, NULL, args + 1, 2, truth ? 0 : 1, x);
+}
+
+/* switch(index, branches, operands) */
+static PyObject *
+fast_switch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1])))
+        return miss();
+    PyObject *index = args[0], *branches = args[1];
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(branches);
+    PyObject *x = n > 0 ? served_operand(index, args[2]) : NULL;
+    if (x == NULL)
+        return PyErr_Occurred() ? NULL : miss();
+    int ok;
+    PyObject *dtype = PyObject_GetAttr(index, s_dtype);
+    if (dtype == NULL)
+        return NULL;
+    ok = PySet_Contains(index_dtypes, dtype);
+    Py_DECREF(dtype);
+    if (ok <= 0)
+        return ok < 0 ? NULL : miss();
+    /* no Python code runs until the branch does */
+    PyObject *const *fns = PySequence_Fast_ITEMS(branches);
+    PyObject *e = find(switch_cache, fns, n, x);
+    if (e == NULL)
+        return PyErr_Occurred() ? NULL : miss();
+    PyObject *number = PyNumber_Long(index);
+    if (number == NULL)
+        return unreadable(1) ? miss() : NULL;
+    int overflow = 0;
+    long k = PyLong_AsLongAndOverflow(number, &overflow);
+    Py_DECREF(number);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    if (overflow || k < 0 || k >= n)
+        return miss(); /* out of range: Python raises */
+    return run(e, branches, fns, n, (Py_ssize_t)k, x);
+}
+
+static PyObject *
+configure(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"tensor", "miss", "config", "index_dtypes", "cond_cache", "switch_cache",
+                            "mode_stack_len", "functorch_level", "tf_mode", "grad_enabled", NULL};
+    PyObject *v[10];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO!O!O!O!OOOO", names, &v[0], &v[1], &PyDict_Type, &v[2], &PySet_Type, &v[3],
+                                     &PyDict_Type, &v[4], &PyDict_Type, &v[5], &v[6], &v[7], &v[8], &v[9]))
+        return NULL;
+    if (!PyType_Check(v[0])) {
+        PyErr_SetString(PyExc_TypeError, "tensor must be a type");
+        return NULL;
+    }
+    PyObject **slots[] = {&Tensor, &MISS, &config, &index_dtypes, &cond_cache, &switch_cache,
+                          &mode_stack_len, &functorch_level, &tf_mode, &grad_enabled};
+    for (int j = 0; j < 10; j++)
+        Py_XSETREF(*slots[j], Py_NewRef(v[j]));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
+     "Give the module what it reads (hop.ops._inline does, once)."},
+    {"key", (PyCFunction)(void (*)(void))fast_key, METH_FASTCALL,
+     "key(branches, x): the key of the entry for these branches and this operand (None: never cached)."},
+    {"cond", (PyCFunction)(void (*)(void))fast_cond, METH_FASTCALL,
+     "cond(pred, true_fn, false_fn, operands): the result, MISS, or (out, k, entry) for Python to finish."},
+    {"switch", (PyCFunction)(void (*)(void))fast_switch, METH_FASTCALL,
+     "switch(index, branches, operands): the result, MISS, or (out, k, entry) for Python to finish."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "hop._fastpath",
+    .m_doc = "The steady-state eager call of hop.cond and hop.switch (Note [the eager inline cache]).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__fastpath(void)
+{
+    once = PyUnicode_InternFromString("once");
+    s_dtype = PyUnicode_InternFromString("dtype");
+    s_ndim = PyUnicode_InternFromString("ndim");
+    s_get_device = PyUnicode_InternFromString("get_device");
+    s_requires_grad = PyUnicode_InternFromString("requires_grad");
+    s_is_view = PyUnicode_InternFromString("_is_view");
+    s_validate = PyUnicode_InternFromString("validate");
+    if (!once || !s_dtype || !s_ndim || !s_get_device || !s_requires_grad || !s_is_view || !s_validate)
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,21 @@
+"""hop's C module (hop/_fastpath.c): Note [the eager inline cache] in hop.ops._inline."""
+
+from collections.abc import Callable
+from typing import Any
+
+def configure(
+    *,
+    tensor: type,
+    miss: object,
+    config: dict[str, Any],
+    index_dtypes: set[Any],
+    cond_cache: dict[int, tuple[Any, ...]],
+    switch_cache: dict[int, tuple[Any, ...]],
+    mode_stack_len: Callable[[], int],
+    functorch_level: Callable[[], int | None],
+    tf_mode: Callable[[], bool],
+    grad_enabled: Callable[[], bool],
+) -> None: ...
+def key(branches: list[Any] | tuple[Any, ...], x: Any, /) -> int | None: ...
+def cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any], operands: Any, /) -> Any: ...
+def switch(index: Any, branches: Any, operands: Any, /) -> Any: ...

@@ -1,0 +1,222 @@
+"""The steady-state eager call of cond and switch: an inline cache of validated calls.
+
+Note [the eager inline cache]
+The commonest call of cond and switch, in eager with nothing active (no mode, no
+transform) and a validated signature, runs one branch on one tensor. What it must
+check on every call (the verdict's operand kind, the output's kind: Note [outputs
+are checked on every call]; whether the branches can read a tensor that requires
+grad: Note [untaken branches get zero gradients]; that the output does not alias
+the operand) costs, in Python, about what a Python ``if`` costs. So a call that
+found its verdict leaves an *entry* here, and later calls with the same branches
+(the same code, for fresh lambdas too) and an operand of the same kind are run by
+:func:`cond` / :func:`switch`: hop's C module ``hop._fastpath`` where it is built
+(``pip install`` compiles it; it needs no torch headers), else the Python
+functions below, which are its reference (the tests run both).
+
+An entry is (items, dtype, ndim, device, kinds, usual, plain, globals, watch,
+key): per branch its code (a builtin: itself), the operand's kind, the verdict's
+set of output kinds and one of them (compared first), whether no branch reads a tensor but its argument (decided by
+``reads_nothing`` when the entry was made, and kept only while each function's
+globals, defaults and the ``watch``ed globals are what they were), per branch its
+``__globals__``, and the verdict's key. Entries are dropped with any verdict
+(``hop._validation.forget``), and all of them when the cache holds
+:data:`CACHE_SIZE`.
+
+:func:`cond` and :func:`switch` return the result, :data:`MISS` (nothing ran:
+Python takes over), or ``(out, k, entry)``: branch ``k`` ran and returned ``out``,
+which ``_branching.finish_ran`` finishes (a new output kind, zero gradients to
+attach, an alias to clone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import BuiltinFunctionType, FunctionType
+from typing import Any
+
+import torch
+
+from hop import _subgraph, config
+from hop import _validation as validation
+from hop._transforms import functorch_level, mode_stack_len, tf_mode_enabled
+from hop.ops._zero_grads import reads_nothing
+
+__all__ = ["BUILT", "CACHE_SIZE", "MISS", "cond", "key", "remember", "switch"]
+
+MISS = object()
+CACHE_SIZE = 1024
+_Tensor = torch.Tensor
+_Function = FunctionType
+_Builtin = BuiltinFunctionType
+_ONCE = "once"
+_CACHES = validation.INLINE
+_INDEX_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
+_grad_enabled = torch.is_grad_enabled
+Fn = Callable[..., Any]
+Entry = tuple[Any, ...]
+_KINDS, _PLAIN, _GLOBALS, _WATCH = 4, 6, 7, 8  # positions in an entry
+
+
+def py_key(fns: Sequence[Fn], x: torch.Tensor) -> Any:
+    """An entry's key where ``hop._fastpath`` is not built (else its ``key``, which folds
+    the same into an int): the branches' items and the operand's kind; None for a
+    branch that is never cached."""
+    items = []
+    for fn in fns:
+        item = _item(fn)
+        if item is None:
+            return None
+        items.append(id(item))
+    return (*items, id(x.dtype), x.ndim, x.get_device())
+
+
+def _item(fn: Fn) -> Any:
+    if type(fn) is _Function:
+        return fn.__code__ if fn.__closure__ is None else None
+    return fn if type(fn) is _Builtin else None
+
+
+def remember(name: str, fns: Sequence[Fn], x: torch.Tensor, verdict: Any, kinds: set[Any]) -> None:
+    """Make the entry for a call of ``name`` that found its ``verdict`` (key and kinds)."""
+    k = key(list(fns), x)
+    if k is None:
+        return
+    plain = True
+    watch: list[tuple[dict[str, Any], str, Any]] = []
+    for fn in fns:
+        plain = plain and reads_nothing(fn)
+        if plain and type(fn) is _Function:
+            g = fn.__globals__
+            watch += [(g, n, g.get(n)) for n in _subgraph.globals_read(fn.__code__)]
+    cache = _CACHES[name]
+    if len(cache) >= CACHE_SIZE:
+        cache.clear()
+    cache[k] = (
+        tuple(map(_item, fns)),
+        x.dtype,
+        x.ndim,
+        x.get_device(),
+        kinds,
+        _usual(kinds, (x.dtype, x.ndim, x.get_device())),
+        plain,
+        tuple(fn.__globals__ if type(fn) is _Function else None for fn in fns),
+        tuple(watch),
+        verdict,
+    )
+
+
+def _usual(kinds: set[Any], operand_kind: Any) -> Any:
+    """The output kind compared first: the operand's when the verdict has it (a branch
+    keeping dtype and rank), else any kind of a tensor (None when there is none)."""
+    if operand_kind in kinds:
+        return operand_kind
+    return next((k for k in kinds if len(k) == 3 and isinstance(k[0], torch.dtype)), None)
+
+
+# --- the reference: what hop._fastpath does, in Python --------------------------------------
+
+
+def py_cond(pred: Any, true_fn: Fn, false_fn: Fn, operands: Any) -> Any:
+    """The result, :data:`MISS`, or ``(out, k, entry)`` for ``_branching.finish_ran``."""
+    if type(pred) is not _Tensor or type(operands) is not tuple or len(operands) != 1:
+        return MISS
+    x = operands[0]
+    if type(x) is not _Tensor or not _plain_eager():
+        return MISS
+    fns = (true_fn, false_fn)
+    e = _find("cond", fns, x)
+    if e is None:
+        return MISS
+    try:
+        k = 0 if pred else 1
+    except (RuntimeError, NotImplementedError):
+        return MISS  # meta, or several elements: the general path explains
+    return _run(e, fns, k, x)
+
+
+def py_switch(index: Any, branches: Any, operands: Any) -> Any:
+    """As :func:`py_cond`."""
+    if type(index) is not _Tensor or type(operands) is not tuple or len(operands) != 1:
+        return MISS
+    if type(branches) is not list and type(branches) is not tuple:
+        return MISS
+    x = operands[0]
+    if type(x) is not _Tensor or not branches or not _plain_eager() or index.dtype not in _INDEX_DTYPES:
+        return MISS
+    fns = tuple(branches)  # a list can change while a branch runs
+    e = _find("switch", fns, x)
+    if e is None:
+        return MISS
+    try:
+        k = int(index)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return MISS
+    if not 0 <= k < len(fns):
+        return MISS  # out of range: the general path raises
+    return _run(e, fns, k, x)
+
+
+def _run(e: Entry, fns: Sequence[Fn], k: int, x: torch.Tensor) -> Any:
+    out = fns[k](x)
+    done = type(out) is _Tensor and (out.dtype, out.ndim, out.get_device()) in e[_KINDS]
+    if done and (x.requires_grad or not _still_plain(e, fns)):
+        done = not _grad_enabled()
+    if done and (out is x or out._is_view()):
+        done = False
+    return out if done else (out, k, e)
+
+
+def _plain_eager() -> bool:
+    return config.validate is _ONCE and not mode_stack_len() and functorch_level() is None and not tf_mode_enabled()
+
+
+def _find(name: str, fns: Sequence[Fn], x: torch.Tensor) -> Entry | None:
+    k = key(fns, x)
+    e = None if k is None else _CACHES[name].get(k)
+    if e is None or e[1] is not x.dtype or e[2] != x.ndim or e[3] != x.get_device():
+        return None
+    items = e[0]
+    if len(items) != len(fns):
+        return None
+    for j, fn in enumerate(fns):
+        if _item(fn) is not items[j]:
+            return None
+    return e
+
+
+def _still_plain(e: Entry, fns: Sequence[Fn]) -> bool:
+    if not e[_PLAIN]:
+        return False
+    globals_ = e[_GLOBALS]
+    for j, fn in enumerate(fns):
+        if type(fn) is _Function and (fn.__globals__ is not globals_[j] or fn.__defaults__ or fn.__kwdefaults__):
+            return False
+    for g, n, v in e[_WATCH]:  # noqa: SIM110 (a generator costs more, on every call)
+        if g.get(n) is not v:
+            return False
+    return True
+
+
+def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    try:
+        from hop import _fastpath
+    except ImportError:  # not built (no compiler at install time): the same, in Python
+        return py_cond, py_switch, py_key
+    _fastpath.configure(
+        tensor=_Tensor,
+        miss=MISS,
+        config=vars(config),
+        index_dtypes=_INDEX_DTYPES,
+        cond_cache=_CACHES["cond"],
+        switch_cache=_CACHES["switch"],
+        mode_stack_len=mode_stack_len,
+        functorch_level=functorch_level,
+        tf_mode=tf_mode_enabled,
+        grad_enabled=_grad_enabled,
+    )
+    return _fastpath.cond, _fastpath.switch, _fastpath.key
+
+
+cond, switch, key = _configure()
+BUILT = cond is not py_cond
+"""Whether the C module runs the cached calls (else the Python reference does)."""
