@@ -55,6 +55,8 @@ def steady_state(quick: bool) -> None:
             )
         )
     report("steady-state eager, 8 floats", rows, baseline="python: true_fn(x) if p else false_fn(x)")
+    switch_rows = [r for r in rows if r[0] in ("python: branches[int(i)](x)", "hop.switch(i, branches, (x,))")]
+    report("  (hop.switch against its Python twin; target 2.0x)", switch_rows, baseline=switch_rows[0][0])
 
 
 def with_grad() -> None:

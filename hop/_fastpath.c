@@ -32,6 +32,8 @@ read as Python reads it (meta, several elements) is a MISS, and Python explains 
 static PyObject *Tensor;         /* torch.Tensor */
 static PyObject *MISS;           /* hop.ops._inline.MISS */
 static PyObject *config;         /* the hop.config module's __dict__ */
+static PyObject *reference;      /* the hop._reference module's __dict__ (ACTIVE: threads in reference()) */
+static PyObject *sinks;          /* hop.debug.SINKS (a list) */
 static PyObject *once;           /* "once" */
 static PyObject *index_dtypes;   /* switch's integer dtypes (a set) */
 static PyObject *cond_cache;     /* dict: key (see find) -> entry */
@@ -40,7 +42,7 @@ static PyObject *mode_stack_len; /* torch._C._len_torch_dispatch_stack */
 static PyObject *functorch_level;/* torch._C._functorch.maybe_current_level */
 static PyObject *tf_mode;        /* torch._C._is_torch_function_mode_enabled */
 static PyObject *grad_enabled;   /* torch.is_grad_enabled */
-static PyObject *s_dtype, *s_ndim, *s_get_device, *s_requires_grad, *s_is_view, *s_validate;
+static PyObject *s_dtype, *s_ndim, *s_get_device, *s_requires_grad, *s_is_view, *s_validate, *s_active;
 
 enum { E_ITEMS, E_DTYPE, E_NDIM, E_DEVICE, E_KINDS, E_USUAL, E_PLAIN, E_GLOBALS, E_WATCH, E_KEY, E_SIZE };
 
@@ -71,11 +73,21 @@ plain_eager(void)
     return none;
 }
 
+/* 1 when hop.config.validate is "once", no hop.debug sink is installed and no
+   thread is inside hop.testing.reference() (each makes Python take the call), 0
+   otherwise, -1 on error. */
 static int
 validate_once(void)
 {
     PyObject *v = PyDict_GetItemWithError(config, s_validate); /* borrowed */
-    return v == NULL ? (PyErr_Occurred() ? -1 : 0) : v == once;
+    if (v != once)
+        return v == NULL && PyErr_Occurred() ? -1 : 0;
+    if (PyList_GET_SIZE(sinks) != 0)
+        return 0;
+    v = PyDict_GetItemWithError(reference, s_active);
+    if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    return PyLong_CheckExact(v) && PyLong_AsLong(v) == 0;
 }
 
 /* An int attribute or method result of t, -1 with an error set on failure. */
@@ -409,19 +421,16 @@ fast_switch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 configure(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"tensor", "miss", "config", "index_dtypes", "cond_cache", "switch_cache",
-                            "mode_stack_len", "functorch_level", "tf_mode", "grad_enabled", NULL};
-    PyObject *v[10];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO!O!O!O!OOOO", names, &v[0], &v[1], &PyDict_Type, &v[2], &PySet_Type, &v[3],
-                                     &PyDict_Type, &v[4], &PyDict_Type, &v[5], &v[6], &v[7], &v[8], &v[9]))
+    static char *names[] = {"tensor", "miss", "config", "reference", "sinks", "index_dtypes", "cond_cache",
+                            "switch_cache", "mode_stack_len", "functorch_level", "tf_mode", "grad_enabled", NULL};
+    PyObject *v[12];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!O!O!O!O!O!OOOO", names, &PyType_Type, &v[0], &v[1],
+                                     &PyDict_Type, &v[2], &PyDict_Type, &v[3], &PyList_Type, &v[4], &PySet_Type, &v[5],
+                                     &PyDict_Type, &v[6], &PyDict_Type, &v[7], &v[8], &v[9], &v[10], &v[11]))
         return NULL;
-    if (!PyType_Check(v[0])) {
-        PyErr_SetString(PyExc_TypeError, "tensor must be a type");
-        return NULL;
-    }
-    PyObject **slots[] = {&Tensor, &MISS, &config, &index_dtypes, &cond_cache, &switch_cache,
-                          &mode_stack_len, &functorch_level, &tf_mode, &grad_enabled};
-    for (int j = 0; j < 10; j++)
+    PyObject **slots[] = {&Tensor,       &MISS,           &config,          &reference, &sinks,        &index_dtypes,
+                          &cond_cache,   &switch_cache,   &mode_stack_len,  &functorch_level, &tf_mode, &grad_enabled};
+    for (int j = 0; j < 12; j++)
         Py_XSETREF(*slots[j], Py_NewRef(v[j]));
     Py_RETURN_NONE;
 }
@@ -456,7 +465,8 @@ PyInit__fastpath(void)
     s_requires_grad = PyUnicode_InternFromString("requires_grad");
     s_is_view = PyUnicode_InternFromString("_is_view");
     s_validate = PyUnicode_InternFromString("validate");
-    if (!once || !s_dtype || !s_ndim || !s_get_device || !s_requires_grad || !s_is_view || !s_validate)
+    s_active = PyUnicode_InternFromString("ACTIVE");
+    if (!once || !s_dtype || !s_ndim || !s_get_device || !s_requires_grad || !s_is_view || !s_validate || !s_active)
         return NULL;
     return PyModule_Create(&module);
 }

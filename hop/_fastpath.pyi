@@ -8,6 +8,8 @@ def configure(
     tensor: type,
     miss: object,
     config: dict[str, Any],
+    reference: dict[str, Any],
+    sinks: list[Any],
     index_dtypes: set[Any],
     cond_cache: dict[int, tuple[Any, ...]],
     switch_cache: dict[int, tuple[Any, ...]],

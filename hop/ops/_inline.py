@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from hop import _subgraph, config
+from hop import _observe, _reference, _subgraph, config
 from hop import _validation as validation
 from hop._transforms import functorch_level, mode_stack_len, tf_mode_enabled
 from hop.ops._zero_grads import reads_nothing
@@ -167,7 +167,16 @@ def _run(e: Entry, fns: Sequence[Fn], k: int, x: torch.Tensor) -> Any:
 
 
 def _plain_eager() -> bool:
-    return config.validate is _ONCE and not mode_stack_len() and functorch_level() is None and not tf_mode_enabled()
+    """validate "once", no hop.debug sink, no thread in hop.testing.reference(), and
+    nothing active (no mode, no transform)."""
+    return (
+        config.validate is _ONCE
+        and not _observe.SINKS
+        and not _reference.ACTIVE
+        and not mode_stack_len()
+        and functorch_level() is None
+        and not tf_mode_enabled()
+    )
 
 
 def _find(name: str, fns: Sequence[Fn], x: torch.Tensor) -> Entry | None:
@@ -206,6 +215,8 @@ def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., 
         tensor=_Tensor,
         miss=MISS,
         config=vars(config),
+        reference=vars(_reference),
+        sinks=_observe.SINKS,
         index_dtypes=_INDEX_DTYPES,
         cond_cache=_CACHES["cond"],
         switch_cache=_CACHES["switch"],

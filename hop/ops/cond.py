@@ -69,6 +69,12 @@ def cond(
     The backward gives every differentiable tensor the branches read a gradient,
     zeros for the untaken branch (as torch.cond; DDP needs no find_unused_parameters).
     """
+    if not is_dynamo_compiling():  # Note [the eager inline cache] (it checks the two below)
+        r = _fast(pred, true_fn, false_fn, operands)
+        if type(r) is _Tensor:
+            return r
+        if r is not _MISS:
+            return br.finish_ran(COND, (true_fn, false_fn), operands, *r)
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_cond(pred, true_fn, false_fn, operands)
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
@@ -81,11 +87,6 @@ def cond(
                 raise HopTypeError(format_message("cond", f"{role} must be callable, got {type(fn).__name__}"))
         br.check_operands("cond", operands)
         return true_fn(*operands) if pred else false_fn(*operands)
-    r = _fast(pred, true_fn, false_fn, operands)  # Note [the eager inline cache]
-    if type(r) is _Tensor:
-        return r
-    if r is not _MISS:
-        return br.finish_ran(COND, (true_fn, false_fn), operands, *r)
     if (
         type(pred) is _Tensor
         and type(operands) is tuple

@@ -70,17 +70,18 @@ def switch(
     Transforms as ``hop.cond``; under vmap a batched index runs every branch and
     selects element-wise.
     """
+    if not is_dynamo_compiling():  # Note [the eager inline cache] (it checks the two below)
+        r = _fast(index, branches, operands)
+        if type(r) is _Tensor:
+            return r
+        if r is not _MISS:
+            return br.finish_ran(SWITCH, tuple(branches), operands, *r)
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_switch(index, branches, operands)
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return switch_op(DYNAMO_CALL, switch, index, branches, operands)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
         return _observe.watch("switch", switch, (index, branches, operands))
-    r = _fast(index, branches, operands)  # Note [the eager inline cache]
-    if type(r) is _Tensor:
-        return r
-    if r is not _MISS:
-        return br.finish_ran(SWITCH, tuple(branches), operands, *r)
     if (
         type(index) is _Tensor
         and type(operands) is tuple

@@ -130,8 +130,17 @@ INDICES: tuple[Template, ...] = (
     _T("({}.numel() % {n})"),
     _T("((({}.reshape(-1)[:1].sum() > 0).long() + 1) % {n})"),
 )
-# Associative combine functions of two tensors.
-COMBINES: tuple[str, ...] = ("a + b", "torch.maximum(a, b)", "torch.minimum(a, b)", "torch.logaddexp(a, b)")
+# Associative combine functions of two tensors. The maximum and minimum keep the
+# left operand on ties: torch.maximum splits a tie's gradient between its operands,
+# so a parallel prefix (which meets ties in another bracketing than the sequential
+# reference) gives another valid subgradient; keeping the left one selects the
+# first extremum in every bracketing, and the derivatives agree.
+COMBINES: tuple[str, ...] = (
+    "a + b",
+    "torch.where(a >= b, a, b)",
+    "torch.where(a <= b, a, b)",
+    "torch.logaddexp(a, b)",
+)
 
 
 class Expr:

@@ -276,3 +276,22 @@ def test_modes_and_transforms_are_not_served(impl: str, monkeypatch: pytest.Monk
     assert out.shape == (2, 3)
     g = torch.func.grad(lambda v: hop.cond(torch.tensor(False), _sin, _cos, (v,)).sum())(x)
     torch.testing.assert_close(g, -x.sin())
+
+
+def test_trace_and_reference_still_see_cached_calls(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3)
+    for _ in range(3):
+        hop.cond(torch.tensor(True), _sin, _cos, (x,))
+        hop.switch(torch.tensor(1), [_sin, _cos], (x,))
+    with hop.debug.trace() as records:
+        hop.cond(torch.tensor(True), _sin, _cos, (x,))
+        hop.switch(torch.tensor(1), [_sin, _cos], (x,))
+    assert [r.op for r in records if r.kind == "call"] == ["cond", "switch"]
+    ran: list[str] = []
+    for name in ("reference_cond", "reference_switch"):
+        real = getattr(hop._reference, name)
+        monkeypatch.setattr(hop._reference, name, lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
+    with hop.testing.reference():
+        torch.testing.assert_close(hop.cond(torch.tensor(True), _sin, _cos, (x,)), x.sin())
+        torch.testing.assert_close(hop.switch(torch.tensor(1), [_sin, _cos], (x,)), x.cos())
+    assert ran == ["reference_cond", "reference_switch"]
