@@ -275,14 +275,19 @@ def rewrite_associative_scan(
 #     ys = [empty(n, *y.shape) for each y]             sizes from the node's meta["val"]
 #     k, ys, carry = while_loop(k < n, body', (0, ys, init), (xs, additional))
 #     body'(k, ys, carry, xs, additional):
-#         t = n - 1 - k if reverse else k
-#         carry, y = body(carry, xs[t], additional);  ys[t].copy_(y)
+#         carry, y = body(carry, xs[k], additional);  ys[k].copy_(y)
 #         return k + 1, ys, carry
 #
-# The counter is a 0-dim int64 CPU tensor read with .item() (an unbacked int
-# the body checks to lie in [0, n)), as torch's own scan lowering does, so a
-# CUDA loop does not synchronize on its condition. Writing into ys in place
-# keeps one buffer per output instead of a copy per step.
+# (reverse: k counts down from n - 1 while k >= 0). The counter is a 0-dim int64
+# CPU tensor read with .item(), as torch's own scan lowering does, so a CUDA loop
+# does not synchronize on its condition. Writing into ys in place keeps one
+# buffer per output instead of a copy per step.
+#
+# The body checks the unbacked int against the bounds the tracer needs, but
+# never against a symbolic length n: a check k < n (or n - 1 - k >= 0) with k >= 0
+# makes the ShapeEnv refine n >= 1 for the whole program, and Inductor asserts
+# that where n is bound, so a data-dependent length that is 0 (x[mask] with no
+# element) failed before the loop (which runs no step) was reached.
 
 
 def _scan_loop(
@@ -304,18 +309,15 @@ def _scan_loop(
         for y in ys_meta
     ]
 
-    def step(k: Any, *state: Any) -> tuple[Any, ...]:
+    def step(t: Any, *state: Any) -> tuple[Any, ...]:
         ys_, carry, rest = state[:ny], state[ny : ny + nc], state[ny + nc :]
-        n = rest[0].shape[0]  # from the loop's own input: the tracer of this function knows it
-        t = n - 1 - k if reverse else k
-        _check(t >= 0)
-        _check(t < n)
         out = _as_tuple(body(*carry, *(x.select(0, t) for x in rest[:nx]), *rest[nx:]))
         for y, o in zip(ys_, out[nc:], strict=True):
             y.select(0, t).copy_(o)
         return (*ys_, *map(_dense, out[:nc]))
 
-    out = _counted_loop(0, xs[0].shape[0], step, (*ys, *map(_dense, init)), (*xs, *additional), inputs)
+    n = xs[0].shape[0]
+    out = _counted_loop(0, n, step, (*ys, *map(_dense, init)), (*xs, *additional), inputs, descending=reverse)
     return list(out[ny:]), list(out[:ny])
 
 
@@ -349,9 +351,11 @@ def _counted_loop(
     additional: Sequence[Any],
     inputs: Sequence[Any],
     last: int | None = None,
+    descending: bool = False,
 ) -> list[Any]:
     """``for k in range(start, min(stop, last + 1)): carried = step(k, *carried, *additional)``
-    as torch's while_loop.
+    as torch's while_loop (with ``descending``, ``k`` runs from ``stop - 1`` down to
+    ``start``; ``last`` is then not given).
 
     A symbolic ``stop`` travels as an input of the loop (a size closed over would not
     be known to the tracers of the loop's functions), and so does each symbol of the
@@ -371,21 +375,23 @@ def _counted_loop(
     lifted = [known[s] for s in sorted(free_symbols(values) - plain_symbols(values).keys(), key=str) if s in known]
     extra = (*additional, *lifted, *([stop] if symbolic else []))
     own = len(additional) + len(carried)
-    counter = torch.full((), start, dtype=torch.int64, device="cpu")
+    counter = torch.full((), stop - 1 if descending else start, dtype=torch.int64, device="cpu")
 
     def bound(rest: tuple[Any, ...]) -> Any:
         return rest[-1] if symbolic else stop
 
     def cond_fn(i: Any, *rest: Any) -> Any:
+        if descending:
+            return i >= start
         n = bound(rest)
         return (i < n) if last is None else (i < n) & (i <= last)
 
     def body_fn(i: Any, *rest: Any) -> tuple[Any, ...]:
-        n = bound(rest)
         k = i.item()
         _check(k >= start)
-        _check(k < n)
-        return (i + 1, *step(k, *rest[:own]))
+        if not symbolic:  # Note [scans as while loops]: never checked against a symbolic length
+            _check(k < stop)
+        return (i - 1 if descending else i + 1, *step(k, *rest[:own]))
 
     out = torch.ops.higher_order.while_loop(cond_fn, body_fn, (counter, *carried), extra)
     return list(out[1:])

@@ -33,6 +33,28 @@ def test_zero_length_map_and_scan(dynamic: bool) -> None:
     torch._dynamo.reset()
 
 
+def _masked_scans(x: torch.Tensor) -> Any:
+    xs = x[x > 0]  # a data-dependent length, 0 for some inputs
+    ys = hop.map(lambda r: r * 2, xs)
+    forward = hop.scan(lambda c, r: (c + r, c * r), torch.zeros(()), xs)
+    backward = hop.scan(lambda c, r: (c + r, c * r), torch.zeros(()), xs, reverse=True)
+    prefix = hop.associative_scan(lambda p, q: p + q, xs, dim=0)
+    suffix = hop.associative_scan(torch.maximum, xs, dim=0, reverse=True)
+    return ys, forward, backward, prefix, suffix
+
+
+def test_data_dependent_lengths_that_are_zero() -> None:
+    """Note [scans as while loops]: the rewritten loops never check their counter
+    against a symbolic length, which made Inductor assert the length >= 1 before the
+    loop (a RuntimeError "u0 >= 1" for an x[mask] with no element)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_masked_scans, backend="inductor", fullgraph=True)
+    for values in ([1.0, -2.0, 3.0], [-1.0, -2.0, -3.0], [5.0, 6.0, 7.0, 8.0], [-4.0]):
+        x = torch.tensor(values)
+        torch.testing.assert_close(compiled(x), _masked_scans(x))
+    torch._dynamo.reset()
+
+
 def _ints(a: torch.Tensor) -> Any:
     """cond and switch branches returning ints beside tensors: constants they agree on
     or not, a size, an ``.item()``; a bare int output; each int used after the call."""
