@@ -11,14 +11,21 @@ An entry of the inline cache is made by Python (hop.ops._inline.remember) after 
 call found its verdict; it is keyed by a fold of the addresses of the branches'
 code (a builtin's own address) and the operand's dtype, rank and device, and holds:
 
-    (items, dtype, ndim, device, kinds, usual, plain, globals, watch, key)
+    (items, dtype, ndim, device, kinds, usual, names, key)
 
-items: per branch its code object (a plain function) or the builtin itself;
+items: per branch its code object (a plain function) or the builtin itself (only a
+builtin whose owner is inert, as torch.tanh: an entry keeps what it holds alive);
 dtype/ndim/device: the operand's kind the verdict is for; kinds: the verdict's set
 of output kinds; usual: one of them (None if there is none), compared first without
-building a tuple; plain: no branch could read a tensor but its argument; globals:
-per branch its __globals__ (None for builtins); watch: (dict, name, value) of the
-globals `plain` was decided on; key: the verdict's key.
+building a tuple; names: per branch the globals its code loads (None for a
+builtin); key: the verdict's key. Whether a branch can read a tensor but its
+argument is decided again on every call that needs it, from each function's
+defaults and the current values of those globals (hop._subgraph.is_inert): the
+entry holds no value that could change.
+
+Threads: reading the selector may release the GIL, and another thread may then
+empty the cache; so the selector is read first, and an entry is held by a strong
+reference from the moment it is found.
 
 cond() and switch() return the result, MISS (nothing ran: Python takes over), or
 (out, k, entry): branch k ran and returned out, which Python must finish (a new
@@ -42,9 +49,10 @@ static PyObject *mode_stack_len; /* torch._C._len_torch_dispatch_stack */
 static PyObject *functorch_level;/* torch._C._functorch.maybe_current_level */
 static PyObject *tf_mode;        /* torch._C._is_torch_function_mode_enabled */
 static PyObject *grad_enabled;   /* torch.is_grad_enabled */
+static PyObject *inert_types;    /* hop._subgraph.INERT_TYPES (a frozenset) */
 static PyObject *s_dtype, *s_ndim, *s_get_device, *s_requires_grad, *s_is_view, *s_validate, *s_active;
 
-enum { E_ITEMS, E_DTYPE, E_NDIM, E_DEVICE, E_KINDS, E_USUAL, E_PLAIN, E_GLOBALS, E_WATCH, E_KEY, E_SIZE };
+enum { E_ITEMS, E_DTYPE, E_NDIM, E_DEVICE, E_KINDS, E_USUAL, E_NAMES, E_KEY, E_SIZE };
 
 /* 1 when no dispatch mode, no functorch transform and no torch-function mode is
    active (hop._transforms' plain eager), 0 otherwise, -1 on error. */
@@ -80,8 +88,10 @@ static int
 validate_once(void)
 {
     PyObject *v = PyDict_GetItemWithError(config, s_validate); /* borrowed */
-    if (v != once)
-        return v == NULL && PyErr_Occurred() ? -1 : 0;
+    if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (v != once && !(PyUnicode_CheckExact(v) && PyUnicode_Compare(v, once) == 0))
+        return 0; /* an equal string not interned (read from a file, say) is "once" too */
     if (PyList_GET_SIZE(sinks) != 0)
         return 0;
     v = PyDict_GetItemWithError(reference, s_active);
@@ -118,14 +128,29 @@ truth_of(PyObject *t, PyObject *name, int method)
     return yes;
 }
 
-/* What identifies a branch in an entry: a plain function's code, a builtin itself;
-   NULL for anything else (never cached). */
+/* 1 when v can lead to no tensor (hop._subgraph.is_inert, the same): an inert
+   type's value, a class, or a builtin whose owner is one. Runs no Python code. */
+static int
+is_inert(PyObject *v)
+{
+    if (v == Py_None || PyType_Check(v))
+        return 1;
+    int yes = PySet_Contains(inert_types, (PyObject *)Py_TYPE(v));
+    if (yes != 0 || !Py_IS_TYPE(v, &PyCFunction_Type))
+        return yes > 0;
+    PyObject *owner = PyCFunction_GET_SELF(v);
+    return owner == NULL || owner == Py_None || PyType_Check(owner) ||
+           PySet_Contains(inert_types, (PyObject *)Py_TYPE(owner)) > 0;
+}
+
+/* What identifies a branch in an entry: a plain function's code, an inert builtin
+   itself; NULL for anything else (never cached). */
 static PyObject *
 item_of(PyObject *fn)
 {
     if (Py_IS_TYPE(fn, &PyFunction_Type))
         return PyFunction_GET_CLOSURE(fn) == NULL ? PyFunction_GET_CODE(fn) : NULL;
-    return Py_IS_TYPE(fn, &PyCFunction_Type) ? fn : NULL;
+    return Py_IS_TYPE(fn, &PyCFunction_Type) && is_inert(fn) ? fn : NULL;
 }
 
 #define FOLD(h, v) (((h) * 1000003ULL) ^ (unsigned long long)(v))
@@ -165,8 +190,8 @@ fold_kind(PyObject *x, unsigned long long *h, PyObject **dtype_out, long *ndim_o
     return 0;
 }
 
-/* The entry for these branches and this operand, borrowed; NULL with no error
-   set on a miss, NULL with an error set on failure. Its key (key() gives it to
+/* The entry for these branches and this operand, a new reference; NULL with no
+   error set on a miss, NULL with an error set on failure. Its key (key() gives it to
    Python) folds the addresses of the branches' items and the operand's kind. */
 static PyObject *
 find(PyObject *cache, PyObject *const *fns, Py_ssize_t n, PyObject *x)
@@ -192,7 +217,9 @@ find(PyObject *cache, PyObject *const *fns, Py_ssize_t n, PyObject *x)
     if (PyTuple_GET_ITEM(e, E_DTYPE) != dtype || PyLong_AsLong(PyTuple_GET_ITEM(e, E_NDIM)) != ndim ||
         PyLong_AsLong(PyTuple_GET_ITEM(e, E_DEVICE)) != device)
         return NULL;
-    return same_branches(e, fns, n) ? e : NULL;
+    if (!same_branches(e, fns, n))
+        return NULL;
+    return Py_NewRef(e);
 }
 
 /* 1 when an output of this kind was validated, 0 when not, -1 on error. */
@@ -221,48 +248,39 @@ known_kind(PyObject *out, PyObject *kinds, PyObject *usual)
     return yes;
 }
 
-/* 1 when no branch can read a tensor but its argument, as when the entry was
-   made (Note [untaken branches get zero gradients]); 0 when that must be decided
-   again; -1 on error. */
+/* 1 when no branch can read a tensor but its argument (hop.ops._zero_grads.
+   reads_nothing of each, the same: Note [untaken branches get zero gradients]),
+   0 when Python must decide, -1 on error. */
 static int
 still_plain(PyObject *e, PyObject *const *fns, Py_ssize_t n)
 {
-    if (PyTuple_GET_ITEM(e, E_PLAIN) != Py_True)
-        return 0;
-    PyObject *globals = PyTuple_GET_ITEM(e, E_GLOBALS);
+    PyObject *names = PyTuple_GET_ITEM(e, E_NAMES);
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *fn = fns[j];
         if (!Py_IS_TYPE(fn, &PyFunction_Type))
-            continue;
-        if (PyFunction_GET_GLOBALS(fn) != PyTuple_GET_ITEM(globals, j))
-            return 0;
+            continue; /* an entry's builtins are inert */
         PyObject *d = PyFunction_GET_DEFAULTS(fn), *kw = PyFunction_GET_KW_DEFAULTS(fn);
-        if ((d != NULL && PyObject_IsTrue(d)) || (kw != NULL && PyObject_IsTrue(kw)))
+        if ((d != NULL && PyTuple_GET_SIZE(d) != 0) || (kw != NULL && PyDict_GET_SIZE(kw) != 0))
             return 0;
-    }
-    PyObject *watch = PyTuple_GET_ITEM(e, E_WATCH);
-    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(watch); j++) {
-        PyObject *w = PyTuple_GET_ITEM(watch, j);
-        PyObject *v = PyDict_GetItemWithError(PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
-        if (v == NULL) {
-            if (PyErr_Occurred())
+        PyObject *globals = PyFunction_GET_GLOBALS(fn), *loaded = PyTuple_GET_ITEM(names, j);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(loaded); i++) {
+            PyObject *v = PyDict_GetItemWithError(globals, PyTuple_GET_ITEM(loaded, i));
+            if (v == NULL && PyErr_Occurred())
                 return -1;
-            v = Py_None;
+            if (v != NULL && !is_inert(v))
+                return 0;
         }
-        if (v != PyTuple_GET_ITEM(w, 2))
-            return 0;
     }
     return 1;
 }
 
-/* fns[k](x) for the entry e found for this call: the result, or (out, k, e) when
-   Python must finish it. fns are the items of seq when it is not NULL (switch's
+/* fns[k](x) for the entry e found for this call (a reference run() takes over):
+   the result, or (out, k, e) when Python must finish it. fns are the items of seq when it is not NULL (switch's
    list, which the branch may change: it is read again after). */
 static PyObject *
 run(PyObject *e, PyObject *seq, PyObject *const *fns, Py_ssize_t n, Py_ssize_t k, PyObject *x)
 {
-    PyObject *fn = fns[k];
-    Py_INCREF(e); /* the branch may empty the cache */
+    PyObject *fn = fns[k]; /* e: a new reference, taken over */
     Py_INCREF(fn);
     Py_XINCREF(seq);
     PyObject *out = PyObject_CallOneArg(fn, x);
@@ -372,12 +390,12 @@ fast_cond(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *x = nargs == 4 ? served_operand(args[0], args[3]) : NULL;
     if (x == NULL)
         return PyErr_Occurred() ? NULL : miss();
+    int truth = PyObject_IsTrue(args[0]); /* may release the GIL: before find() */
+    if (truth < 0)
+        return unreadable(0) ? miss() : NULL;
     PyObject *e = find(cond_cache, args + 1, 2, x);
     if (e == NULL)
         return PyErr_Occurred() ? NULL : miss();
-    int truth = PyObject_IsTrue(args[0]);
-    if (truth < 0)
-        return unreadable(0) ? miss() : NULL;
     return run(e, NULL, args + 1, 2, truth ? 0 : 1, x);
 }
 
@@ -400,12 +418,7 @@ fast_switch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(dtype);
     if (ok <= 0)
         return ok < 0 ? NULL : miss();
-    /* no Python code runs until the branch does */
-    PyObject *const *fns = PySequence_Fast_ITEMS(branches);
-    PyObject *e = find(switch_cache, fns, n, x);
-    if (e == NULL)
-        return PyErr_Occurred() ? NULL : miss();
-    PyObject *number = PyNumber_Long(index);
+    PyObject *number = PyNumber_Long(index); /* may release the GIL: before the list is read */
     if (number == NULL)
         return unreadable(1) ? miss() : NULL;
     int overflow = 0;
@@ -413,24 +426,31 @@ fast_switch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(number);
     if (k == -1 && PyErr_Occurred())
         return NULL;
+    n = PySequence_Fast_GET_SIZE(branches); /* another thread may have changed the list */
     if (overflow || k < 0 || k >= n)
         return miss(); /* out of range: Python raises */
+    PyObject *const *fns = PySequence_Fast_ITEMS(branches); /* valid until Python code runs */
+    PyObject *e = find(switch_cache, fns, n, x);
+    if (e == NULL)
+        return PyErr_Occurred() ? NULL : miss();
     return run(e, branches, fns, n, (Py_ssize_t)k, x);
 }
 
 static PyObject *
 configure(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"tensor", "miss", "config", "reference", "sinks", "index_dtypes", "cond_cache",
-                            "switch_cache", "mode_stack_len", "functorch_level", "tf_mode", "grad_enabled", NULL};
-    PyObject *v[12];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!O!O!O!O!O!OOOO", names, &PyType_Type, &v[0], &v[1],
+    static char *names[] = {"tensor",       "miss",           "config",          "reference", "sinks",
+                            "index_dtypes", "inert_types",    "cond_cache",      "switch_cache",
+                            "mode_stack_len", "functorch_level", "tf_mode",     "grad_enabled", NULL};
+    PyObject *v[13];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!O!O!O!O!O!O!OOOO", names, &PyType_Type, &v[0], &v[1],
                                      &PyDict_Type, &v[2], &PyDict_Type, &v[3], &PyList_Type, &v[4], &PySet_Type, &v[5],
-                                     &PyDict_Type, &v[6], &PyDict_Type, &v[7], &v[8], &v[9], &v[10], &v[11]))
+                                     &PyFrozenSet_Type, &v[6], &PyDict_Type, &v[7], &PyDict_Type, &v[8], &v[9], &v[10],
+                                     &v[11], &v[12]))
         return NULL;
-    PyObject **slots[] = {&Tensor,       &MISS,           &config,          &reference, &sinks,        &index_dtypes,
-                          &cond_cache,   &switch_cache,   &mode_stack_len,  &functorch_level, &tf_mode, &grad_enabled};
-    for (int j = 0; j < 12; j++)
+    PyObject **slots[] = {&Tensor,     &MISS,         &config,         &reference,       &sinks,   &index_dtypes, &inert_types,
+                          &cond_cache, &switch_cache, &mode_stack_len, &functorch_level, &tf_mode, &grad_enabled};
+    for (int j = 0; j < 13; j++)
         Py_XSETREF(*slots[j], Py_NewRef(v[j]));
     Py_RETURN_NONE;
 }

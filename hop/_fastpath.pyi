@@ -11,6 +11,7 @@ def configure(
     reference: dict[str, Any],
     sinks: list[Any],
     index_dtypes: set[Any],
+    inert_types: frozenset[type],
     cond_cache: dict[int, tuple[Any, ...]],
     switch_cache: dict[int, tuple[Any, ...]],
     mode_stack_len: Callable[[], int],

@@ -20,7 +20,7 @@ import dataclasses
 import dis
 import functools
 from collections.abc import Callable, Sequence
-from types import CodeType, FunctionType, MethodType
+from types import BuiltinFunctionType, CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 import torch
@@ -286,6 +286,27 @@ def globals_read(code: CodeType) -> tuple[str, ...]:
     return names
 
 
+# Values that can lead to no tensor (Note [untaken branches get zero gradients]): a
+# global or a bound builtin's owner of one of these types is not searched. Python
+# modules count as inert (``torch``, ``math``): a parameter kept as a module
+# attribute is missed, and so is one kept as a class attribute.
+INERT_TYPES: frozenset[type] = frozenset(
+    {type(None), bool, int, float, complex, str, bytes, ModuleType, torch.dtype, torch.device, torch.Size}
+)
+
+
+def is_inert(value: Any) -> bool:
+    """Whether ``value`` can lead to no tensor: an inert type's value, a class, or a
+    builtin function (``torch.tanh``, ``len``) whose owner is one."""
+    kind = type(value)
+    if kind in INERT_TYPES or isinstance(value, type):
+        return True
+    if kind is BuiltinFunctionType:
+        owner = value.__self__
+        return type(owner) in INERT_TYPES or isinstance(owner, type)
+    return False
+
+
 def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]:
     """Tensors the callables may read without receiving them: in closure cells, bound
     ``self``, referenced globals, default arguments and partial arguments, including
@@ -318,7 +339,7 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
                     visit(cell.cell_contents, level + 1)
             for name in globals_read(obj.__code__):
                 value = obj.__globals__.get(name)
-                if isinstance(value, (torch.Tensor, torch.nn.Module, FunctionType)):
+                if not is_inert(value):
                     visit(value, level + 1)
             for value in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
                 visit(value, level + 1)  # captured as a default: lambda a, w=w: a @ w
@@ -333,6 +354,11 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
                 visit(v, level + 1)
         elif isinstance(obj, dict):
             for v in list(obj.values())[:64]:
+                visit(v, level + 1)
+        elif type(obj) is BuiltinFunctionType:
+            visit(obj.__self__, level + 1)  # W.mul: the tensor it is bound to
+        elif not is_inert(obj) and isinstance(getattr(obj, "__dict__", None), dict):
+            for v in list(vars(obj).values())[:64]:  # a namespace or config object holding parameters
                 visit(v, level + 1)
 
     for fn in fns:

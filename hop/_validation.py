@@ -16,7 +16,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from types import CodeType, FunctionType, MethodType, ModuleType
+from types import BuiltinFunctionType, CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 import torch
@@ -126,7 +126,8 @@ def flat_signature(name: str, fns: Sequence[Fn], operands: tuple[Any, ...]) -> t
 
 def callable_key(fn: Any) -> Any:
     """Key of a callable that is not a plain function: methods by code and owner,
-    partials by function and arguments, anything else (builtins, modules) by identity."""
+    partials by function and arguments, builtin methods by name and owner's kind,
+    anything else (builtins such as torch.tanh, modules) by identity."""
     if type(fn) is MethodType:
         return (callable_key(fn.__func__), id(fn.__self__))
     if type(fn) is FunctionType:
@@ -134,6 +135,10 @@ def callable_key(fn: Any) -> Any:
     if isinstance(fn, functools.partial):
         kwargs = tuple(sorted((k, value_key(v)) for k, v in fn.keywords.items()))
         return (callable_key(fn.func), *map(value_key, fn.args), kwargs)
+    if type(fn) is BuiltinFunctionType and not _subgraph.is_inert(fn):
+        # w.mul: a method object made per access, whose address a later one reuses
+        # after it is freed (an id would find another method's verdict)
+        return ("builtin method", fn.__name__, type(fn.__self__), value_key(fn.__self__))
     return id(fn)
 
 

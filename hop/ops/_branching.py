@@ -210,7 +210,7 @@ def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, .
     microsecond here is paid by every call, so it is written out long-hand.
     """
     validate = config.validate
-    if validate is not _ONCE:
+    if validate != _ONCE:  # an equal string not interned is "once" too
         if validate != "never":
             return MISS
         return _run_unchecked(k, branches, operands)
@@ -236,7 +236,7 @@ def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> 
     enabled, decides whether any of them can read a tensor that requires grad (Note
     [untaken branches get zero gradients]), which would otherwise be a walk each.
     """
-    if config.validate is not _ONCE:
+    if config.validate != _ONCE:
         return MISS
     grad = _grad_enabled()
     plain = True  # no branch reads a tensor from outside its arguments
@@ -248,8 +248,8 @@ def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> 
             if fn.__closure__ is not None:
                 return MISS
             add(fn.__code__)
-        elif kind is _Builtin:
-            add(id(fn))  # validation.callable_key's
+        elif kind is _Builtin and _subgraph.is_inert(fn):
+            add(id(fn))  # validation.callable_key's (torch.tanh lives as long as torch)
         else:
             return MISS
         if plain and grad:

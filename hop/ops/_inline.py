@@ -13,14 +13,15 @@ found its verdict leaves an *entry* here, and later calls with the same branches
 (``pip install`` compiles it; it needs no torch headers), else the Python
 functions below, which are its reference (the tests run both).
 
-An entry is (items, dtype, ndim, device, kinds, usual, plain, globals, watch,
-key): per branch its code (a builtin: itself), the operand's kind, the verdict's
-set of output kinds and one of them (compared first), whether no branch reads a tensor but its argument (decided by
-``reads_nothing`` when the entry was made, and kept only while each function's
-globals, defaults and the ``watch``ed globals are what they were), per branch its
-``__globals__``, and the verdict's key. Entries are dropped with any verdict
-(``hop._validation.forget``), and all of them when the cache holds
-:data:`CACHE_SIZE`.
+An entry is (items, dtype, ndim, device, kinds, usual, names, key): per branch
+its code (an inert builtin such as ``torch.tanh``: itself), the operand's kind,
+the verdict's set of output kinds and one of them (compared first), per branch
+the globals its code loads, and the verdict's key. Whether any branch can read a
+tensor but its argument is decided again on every call that needs it
+(``reads_nothing`` of each: its defaults, the current values of those globals):
+an entry holds no value a program could rebind, nor a tensor. Entries are
+dropped with any verdict (``hop._validation.forget``), and all of them when the
+cache holds :data:`CACHE_SIZE`.
 
 :func:`cond` and :func:`switch` return the result, :data:`MISS` (nothing ran:
 Python takes over), or ``(out, k, entry)``: branch ``k`` ran and returned ``out``,
@@ -48,13 +49,12 @@ CACHE_SIZE = 1024
 _Tensor = torch.Tensor
 _Function = FunctionType
 _Builtin = BuiltinFunctionType
-_ONCE = "once"
 _CACHES = validation.INLINE
 _INDEX_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 _grad_enabled = torch.is_grad_enabled
 Fn = Callable[..., Any]
 Entry = tuple[Any, ...]
-_KINDS, _PLAIN, _GLOBALS, _WATCH = 4, 6, 7, 8  # positions in an entry
+_KINDS = 4  # the position of the kinds in an entry
 
 
 def py_key(fns: Sequence[Fn], x: torch.Tensor) -> Any:
@@ -71,9 +71,11 @@ def py_key(fns: Sequence[Fn], x: torch.Tensor) -> Any:
 
 
 def _item(fn: Fn) -> Any:
+    """A plain function's code, an inert builtin (``torch.tanh``; not ``w.mul``, which
+    an entry would keep alive with its tensor) itself; None: never cached."""
     if type(fn) is _Function:
         return fn.__code__ if fn.__closure__ is None else None
-    return fn if type(fn) is _Builtin else None
+    return fn if type(fn) is _Builtin and _subgraph.is_inert(fn) else None
 
 
 def remember(name: str, fns: Sequence[Fn], x: torch.Tensor, verdict: Any, kinds: set[Any]) -> None:
@@ -81,13 +83,6 @@ def remember(name: str, fns: Sequence[Fn], x: torch.Tensor, verdict: Any, kinds:
     k = key(list(fns), x)
     if k is None:
         return
-    plain = True
-    watch: list[tuple[dict[str, Any], str, Any]] = []
-    for fn in fns:
-        plain = plain and reads_nothing(fn)
-        if plain and type(fn) is _Function:
-            g = fn.__globals__
-            watch += [(g, n, g.get(n)) for n in _subgraph.globals_read(fn.__code__)]
     cache = _CACHES[name]
     if len(cache) >= CACHE_SIZE:
         cache.clear()
@@ -98,9 +93,7 @@ def remember(name: str, fns: Sequence[Fn], x: torch.Tensor, verdict: Any, kinds:
         x.get_device(),
         kinds,
         _usual(kinds, (x.dtype, x.ndim, x.get_device())),
-        plain,
-        tuple(fn.__globals__ if type(fn) is _Function else None for fn in fns),
-        tuple(watch),
+        tuple(_subgraph.globals_read(fn.__code__) if type(fn) is _Function else None for fn in fns),
         verdict,
     )
 
@@ -159,7 +152,7 @@ def py_switch(index: Any, branches: Any, operands: Any) -> Any:
 def _run(e: Entry, fns: Sequence[Fn], k: int, x: torch.Tensor) -> Any:
     out = fns[k](x)
     done = type(out) is _Tensor and (out.dtype, out.ndim, out.get_device()) in e[_KINDS]
-    if done and (x.requires_grad or not _still_plain(e, fns)):
+    if done and (x.requires_grad or not _still_plain(fns)):
         done = not _grad_enabled()
     if done and (out is x or out._is_view()):
         done = False
@@ -170,7 +163,7 @@ def _plain_eager() -> bool:
     """validate "once", no hop.debug sink, no thread in hop.testing.reference(), and
     nothing active (no mode, no transform)."""
     return (
-        config.validate is _ONCE
+        config.validate == "once"
         and not _observe.SINKS
         and not _reference.ACTIVE
         and not mode_stack_len()
@@ -193,17 +186,8 @@ def _find(name: str, fns: Sequence[Fn], x: torch.Tensor) -> Entry | None:
     return e
 
 
-def _still_plain(e: Entry, fns: Sequence[Fn]) -> bool:
-    if not e[_PLAIN]:
-        return False
-    globals_ = e[_GLOBALS]
-    for j, fn in enumerate(fns):
-        if type(fn) is _Function and (fn.__globals__ is not globals_[j] or fn.__defaults__ or fn.__kwdefaults__):
-            return False
-    for g, n, v in e[_WATCH]:  # noqa: SIM110 (a generator costs more, on every call)
-        if g.get(n) is not v:
-            return False
-    return True
+def _still_plain(fns: Sequence[Fn]) -> bool:
+    return all(map(reads_nothing, fns))
 
 
 def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
@@ -218,6 +202,7 @@ def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., 
         reference=vars(_reference),
         sinks=_observe.SINKS,
         index_dtypes=_INDEX_DTYPES,
+        inert_types=_subgraph.INERT_TYPES,
         cond_cache=_CACHES["cond"],
         switch_cache=_CACHES["switch"],
         mode_stack_len=mode_stack_len,

@@ -29,7 +29,11 @@ plain Python. A leaf that requires grad (a parameter returned as is) is cloned.
 Under ``torch.jit.trace`` no node is added (it would be recorded as a Python op).
 
 The closure search is static: every parameter of a module a branch closes over
-(e.g. ``self``) gets a zero, even one neither branch uses. A traced call (a
+(e.g. ``self``) gets a zero, even one neither branch uses. It follows cells,
+defaults, bound owners (``self``, the tensor of ``w.mul``), partials, containers
+and objects' attributes, and every global that is not inert (``_subgraph.is_inert``:
+numbers, strings, Python modules, classes); a parameter kept as an attribute of
+a Python module or of a class is not found. A traced call (a
 selector that cannot be read) needs none of this: its node's backward is the vjp
 of each branch with respect to every operand and converted closure tensor, and
 ``torch.func.vjp`` fills zeros for the inputs a branch does not use. Inside
@@ -42,7 +46,7 @@ added and batched by its generated vmap rule.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from types import BuiltinFunctionType, FunctionType, ModuleType
+from types import BuiltinFunctionType, FunctionType
 from typing import Any
 
 import torch
@@ -58,9 +62,8 @@ _Function = FunctionType
 _Module = torch.nn.Module
 _DENSE = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
-_HOLDERS = (torch.Tensor, torch.nn.Module, FunctionType)  # globals that may lead to a tensor
-_PyModule = ModuleType
 _Builtin = BuiltinFunctionType  # torch.tanh and the like: C functions
+_is_inert = _subgraph.is_inert
 _GLOBALS_READ = _subgraph.GLOBALS_READ
 _tracing_state: Callable[[], Any] = torch._C._get_tracing_state
 _interpreter_stack: Callable[[], Any] = torch._C._functorch.get_interpreter_stack
@@ -85,7 +88,7 @@ def zero_untaken(out: Any, branches: Sequence[Callable[..., Any]], operands: Seq
 
 def close_over_nothing(branches: Sequence[Callable[..., Any]]) -> bool:
     """Builtins, and plain functions without closure cells or defaults whose globals
-    hold no tensor, module or function (the commonest case): nothing to search."""
+    are inert (``_subgraph.is_inert``; the commonest case): nothing to search."""
     for fn in branches:
         if type(fn) is _Function and fn.__closure__ is not None:
             return False
@@ -96,13 +99,11 @@ def close_over_nothing(branches: Sequence[Callable[..., Any]]) -> bool:
 
 def reads_nothing(fn: Callable[..., Any]) -> bool:
     """For a builtin or a function without closure cells: whether it has no defaults
-    and reads no global that is a tensor, a module or a function, so no tensor it
-    reads (but its arguments) can require grad. On every eager call with grad enabled."""
+    and reads no global that could lead to a tensor (``_subgraph.is_inert``: a
+    number, a string, a Python module, a class...), so no tensor it reads (but its
+    arguments) can require grad. On every eager call with grad enabled."""
     if type(fn) is not _Function:
-        if type(fn) is not _Builtin:
-            return False
-        owner = fn.__self__  # None for torch.tanh and the like; a tensor for its bound methods
-        return owner is None or type(owner) is _PyModule or not isinstance(owner, _HOLDERS)
+        return type(fn) is _Builtin and _is_inert(fn)
     if fn.__defaults__ or fn.__kwdefaults__:
         return False
     code = fn.__code__
@@ -112,8 +113,7 @@ def reads_nothing(fn: Callable[..., Any]) -> bool:
     if names:
         g = fn.__globals__
         for name in names:  # mostly `torch`
-            v = g.get(name)
-            if v is not None and type(v) is not _PyModule and isinstance(v, _HOLDERS):
+            if not _is_inert(g.get(name)):
                 return False
     return True
 

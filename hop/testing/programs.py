@@ -18,6 +18,7 @@ failing one to a small program whose source is the failure report.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import linecache
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -350,9 +351,6 @@ class AssociativeScan(Expr):
         yield self.xs
 
 
-_counter = iter(range(1 << 62))
-
-
 def _lambdas(node: Expr) -> list[Lambda]:
     fields = [getattr(node, f.name) for f in dataclasses.fields(node)]  # type: ignore[arg-type]
     return [v for f in fields for v in (f if isinstance(f, tuple) else (f,)) if isinstance(v, Lambda)]
@@ -394,7 +392,10 @@ class Program:
     def compile(self) -> Callable[..., Any]:
         """The program as a function (its source is registered with linecache for tracebacks)."""
         source = self.to_source()
-        filename = f"<hop.testing program {next(_counter)}>"
+        # Named by its source: hypothesis tells failures apart by where they were
+        # raised, so a replay of the same program must raise at the same name (a
+        # counter made every replay look like a new failure: "FlakyFailure").
+        filename = f"<hop.testing program {hashlib.sha1(source.encode()).hexdigest()[:12]}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         namespace: dict[str, Any] = {"torch": torch, "hop": hop}
         exec(compile(source, filename, "exec"), namespace)

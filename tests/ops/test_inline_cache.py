@@ -4,8 +4,13 @@ change that could make a cached decision wrong is seen."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import shutil
 import sys
+import threading
+import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -295,3 +300,105 @@ def test_trace_and_reference_still_see_cached_calls(impl: str, monkeypatch: pyte
         torch.testing.assert_close(hop.cond(torch.tensor(True), _sin, _cos, (x,)), x.sin())
         torch.testing.assert_close(hop.switch(torch.tensor(1), [_sin, _cos], (x,)), x.cos())
     assert ran == ["reference_cond", "reference_switch"]
+
+
+# --- what a QA probe found: threads, memory, settings, indirect parameters -----------------
+
+P = torch.nn.Parameter(torch.tensor(2.0))
+NS = types.SimpleNamespace(w=P)
+LST = [P]
+DCT = {"w": P}
+PART = functools.partial(torch.mul, P)
+
+
+@pytest.mark.parametrize(
+    "untaken",
+    [
+        lambda a: a * NS.w,
+        lambda a: a * LST[0],
+        lambda a: a * DCT["w"],
+        lambda a: PART(a),
+        P.mul,
+    ],
+    ids=["namespace", "list", "dict", "partial", "bound builtin"],
+)
+def test_parameters_reached_through_globals_get_zero_gradients(impl: str, untaken: Any) -> None:
+    for _ in range(4):
+        P.grad = None
+        hop.cond(torch.tensor(True), _sin, untaken, (torch.randn(3),)).sum().backward()
+        assert P.grad is not None and P.grad.item() == 0.0
+
+
+def test_entries_keep_nothing_alive(impl: str) -> None:
+    global BUF
+    p = torch.tensor(True)
+    BUF = [torch.randn(1000)]
+    big = weakref.ref(BUF[0])
+    for _ in range(4):
+        hop.cond(p, _reads_buf, _cos, (torch.randn(3),))
+    BUF = [1]  # the entry decided on the old value: it must not keep it
+    gc.collect()
+    assert big() is None
+    owners = []
+    for _ in range(5):
+        w = torch.randn(3)
+        owners.append(weakref.ref(w))
+        for _ in range(4):
+            hop.cond(p, w.mul, w.add, (torch.randn(3),))  # bound builtins: never cached
+        del w
+    gc.collect()
+    assert all(r() is None for r in owners)
+
+
+BUF: Any = []
+
+
+def _reads_buf(a: torch.Tensor) -> torch.Tensor:
+    return a + len(BUF)
+
+
+def test_an_equal_validate_string_is_once(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hop.config, "validate", "".join(["on", "ce"]))  # equal, not the same object
+    seen = _served_by_cache(monkeypatch)
+    for _ in range(5):
+        hop.cond(torch.tensor(True), _sin, _cos, (torch.randn(3),))
+    assert seen == ["cond", "cond"]
+
+
+def test_methods_bound_to_fresh_tensors_never_share_a_verdict(impl: str) -> None:
+    y = torch.randn(3)
+    for _ in range(50):
+        t = torch.randn(3)
+        hop.cond(torch.tensor(True), t.add, t.sub, (y,))
+        with pytest.raises(OutputMismatchError):
+            hop.cond(torch.tensor(True), t.add, t.dot, (y,))  # a new method at a reused address
+
+
+def test_threads_clearing_the_cache_while_a_selector_is_read(impl: str) -> None:
+    """Reading a tensor selector releases the GIL; a thread that empties the cache then
+    must not free the entry another thread found (a use-after-free in C)."""
+    x = torch.randn(3)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        try:
+            for _ in range(800):
+                torch.testing.assert_close(hop.cond(torch.tensor(True), _sin, _cos, (x,)), x.sin())
+                torch.testing.assert_close(hop.switch(torch.tensor(1), [_sin, _cos], (x,)), x.cos())
+        except BaseException as e:  # reported below
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def churn() -> None:
+        while not stop.is_set():
+            validation.clear()  # what a full verdict cache or a new output kind does
+            hop.cond(torch.tensor(False), _sin, _cos, (x,))
+
+    threads = [threading.Thread(target=serve), threading.Thread(target=churn)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
