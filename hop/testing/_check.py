@@ -450,9 +450,26 @@ def _check_vmap(case: _Case) -> None:
         for i, x in enumerate(leaves)
         if isinstance(x, torch.Tensor)
     ]
-    with _running("vmap"):
+    try:
         got = torch.vmap(on)(*batched)
+    except Exception as e:
+        _vmap_fails_in_python_too(on, batched, e)
+        with _running("vmap"):
+            raise
     _compare_tensors(case, "vmap", got, want, _tensor_paths(rows[0]))
+
+
+def _vmap_fails_in_python_too(on: Any, batched: Sequence[Any], error: Exception) -> None:
+    """Skip when torch.vmap also fails on the program's plain-Python meaning (each hop
+    operator as the Python it stands for): a limitation of torch.vmap, such as a
+    boolean mask, which raises another error depending on where the batch dimension is."""
+    if isinstance(error, (CheckFailure, _Skip)):
+        return
+    try:
+        with reference():
+            torch.vmap(on)(*batched)
+    except Exception as e:
+        raise _Skip(f"torch.vmap fails on the plain-Python program too: {_first_line(e)}") from None
 
 
 def _within(case: _Case, env: ShapeEnv, path: str, fake: Any, real: Any, what: str) -> None:

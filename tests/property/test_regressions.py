@@ -140,3 +140,17 @@ def test_traced_scan_body_sees_the_layout_it_was_traced_with() -> None:
         return ys + c.unsqueeze(0)
 
     assert "make_fx_fake" in check(program, torch.rand(2, 2, 2), transforms=["eager", "make_fx_fake", "export"]).ran
+
+
+def test_vmap_of_a_boolean_mask_after_an_associative_scan_is_a_torch_limitation() -> None:
+    """torch.vmap cannot batch a boolean mask; on a zero-size tensor batched at another
+    dimension it raises IndexError "Dimension out of range" (not its usual message),
+    which check() took for a failure of hop. Now vmap of the plain-Python program is
+    tried too: when it fails as well, the transform does not apply."""
+
+    def program(x: torch.Tensor) -> Any:
+        inner = hop.associative_scan(torch.logaddexp, x, dim=-1, combine_mode="pointwise")
+        return inner + inner[inner > 0].sum()
+
+    report = check(program, torch.zeros(0), transforms=["eager", "vmap"])
+    assert report.ran == ["eager"] and "plain-Python program too" in report.skipped["vmap"]
