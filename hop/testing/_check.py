@@ -463,8 +463,8 @@ def _vmap_fails_in_python_too(on: Any, batched: Sequence[Any], error: Exception)
     """Skip when torch.vmap also fails on the program's plain-Python meaning (each hop
     operator as the Python it stands for): a limitation of torch.vmap, such as a
     boolean mask, which raises another error depending on where the batch dimension is."""
-    if isinstance(error, (CheckFailure, _Skip)):
-        return
+    if isinstance(error, (CheckFailure, _Skip)) or _limitation("vmap", error) is not None:
+        return  # a documented limitation says why itself
     try:
         with reference():
             torch.vmap(on)(*batched)
