@@ -683,6 +683,35 @@ class Effects:
     aliased: tuple[tuple[int, int], ...]
 
 
+def same_memory(o: torch.Tensor, x: Any) -> bool:
+    """Whether tensor ``o`` starts where tensor ``x`` does in memory: an alias that is
+    not a view (``x.detach()``, ``x.data``) shows only so. Cheap; False where there
+    is no memory to compare (empty, meta, fake, functional or batched tensors)."""
+    if not isinstance(x, torch.Tensor) or o.layout is not torch.strided or x.layout is not torch.strided:
+        return False
+    try:
+        p = o.data_ptr()
+        return p != 0 and p == x.data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage to point at
+        return False
+
+
+def may_alias(o: Any, operands: Sequence[Any]) -> bool:
+    """A cheap test that a leaf of an output may share memory with an operand (then
+    :func:`clone_aliases` decides exactly): one of them, a view, or :func:`same_memory`."""
+    if not isinstance(o, torch.Tensor):
+        return False
+    if o._is_view():
+        return True
+    return any(o is x or same_memory(o, x) for x in operands)
+
+
+def shares_storage(outputs: Sequence[Any], inputs: Sequence[Any]) -> bool:
+    """Whether a tensor of ``outputs`` shares storage with one of ``inputs`` (fake included)."""
+    seen = {s for s in map(_storage, inputs) if s is not None}
+    return any(s is not None and s in seen for s in map(_storage, outputs))
+
+
 def _storage(v: Any) -> int | None:
     """An id of ``v``'s storage, equal for tensors sharing memory (compared while alive)."""
     if isinstance(v, torch.Tensor) and v.layout == torch.strided:

@@ -77,6 +77,10 @@ _SINKS = _observe.SINKS
 # Per operator, the inline cache of validated eager calls (Note [the eager inline
 # cache] in hop.ops._inline): each entry holds a verdict, and goes with it.
 INLINE: dict[str, dict[int, tuple[Any, ...]]] = {"cond": {}, "switch": {}}
+# Verdicts whose fake run saw a callable return a tensor sharing memory with an
+# operand (x.detach(), x.data: an alias that is not a view); their calls are not
+# cached inline, so each gets the general path's storage check.
+ALIASING: set[Any] = set()
 
 
 def value_key(v: Any) -> Any:
@@ -164,12 +168,17 @@ def is_known(key: Any) -> bool:
     return known
 
 
-def remember(key: Any, kind: Any = None) -> None:
+def remember(key: Any, kind: Any = None, *, aliasing: bool = False) -> None:
     """Record a passed validation and the kind of output it found (None: no branch
-    could run on fake tensors), starting over when the cache is full."""
+    could run on fake tensors), and whether an output shared memory with an operand;
+    starting over when the cache is full."""
     if len(_VERDICTS) >= _cache_size():
         clear()
     _VERDICTS[key] = set() if kind is None else {kind}
+    if aliasing:
+        ALIASING.add(key)
+    else:
+        ALIASING.discard(key)
     _observe.verdict(key, kind)
 
 
@@ -209,6 +218,7 @@ def remember_unchecked(key: Any, unchecked: dict[int, str]) -> None:
 def forget(key: Any) -> None:
     _VERDICTS.pop(key, None)
     _UNCHECKED.pop(key, None)
+    ALIASING.discard(key)
     for cache in INLINE.values():
         cache.clear()
 
@@ -217,6 +227,7 @@ def clear() -> None:
     """Forget every verdict (the next call of each signature validates again)."""
     _VERDICTS.clear()
     _UNCHECKED.clear()
+    ALIASING.clear()
     for cache in INLINE.values():
         cache.clear()
 

@@ -13,6 +13,10 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# gloo (tests/test_distributed.py, docs/distributed.md's example) binds to the
+# loopback device: finding one from the machine's hostname can hang a CI worker.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
 # CI runs a bounded, deterministic profile; HYPOTHESIS_PROFILE=long runs thousands by hand.
 settings.register_profile(
     "ci",

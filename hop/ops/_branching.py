@@ -80,12 +80,9 @@ def like(out: Any, flat: Sequence[Any]) -> Any:
 
 
 def no_alias(out: Any, operands: Sequence[Any]) -> Any:
-    """``out`` with every leaf that is or views an operand cloned."""
+    """``out`` with every leaf that shares memory with an operand cloned."""
     flat = as_tuple(out)
-    suspect = (
-        any(isinstance(o, torch.Tensor) and (o._is_view() or any(o is x for x in operands)) for o in flat)
-        or len(flat) > 1
-    )
+    suspect = any(_subgraph.may_alias(o, operands) for o in flat) or len(flat) > 1
     if not suspect:
         return out
     return like(out, _subgraph.clone_aliases(flat, operands))
@@ -270,7 +267,7 @@ def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> 
         check_new_kind(b, signature, branches, (x,), k, out)
     if grad and (x.requires_grad or not plain):
         return finish_eager(out, branches, (x,))
-    if type(out) is _Tensor and out is not x and not out._is_view():
+    if type(out) is _Tensor and out is not x and not out._is_view() and not _subgraph.same_memory(out, x):
         return out
     return no_alias_tree(out, (x,))
 
@@ -297,7 +294,7 @@ def finish_eager(out: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> A
     and with Note [untaken branches get zero gradients] when grad is enabled."""
     if type(out) is _Tensor and not out._is_view():
         for x in operands:
-            if out is x:
+            if out is x or _subgraph.same_memory(out, x):  # x itself, x.detach()
                 out = out.clone()
                 break
     else:
@@ -375,7 +372,7 @@ def no_alias_tree(out: Any, operands: Sequence[Any]) -> Any:
     leaves, spec = _subgraph.flatten(out)
     cloned = (
         _subgraph.clone_aliases(leaves, operands)
-        if any(isinstance(o, torch.Tensor) and (o._is_view() or any(o is x for x in operands)) for o in leaves)
+        if any(_subgraph.may_alias(o, operands) for o in leaves)
         else leaves
     )
     return out if cloned is leaves else _subgraph.unflatten(cloned, spec)
@@ -393,11 +390,12 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
     flat, outputs = flat_branches(b, branches, spec)
     roles = b.roles(len(branches))
     unchecked: dict[int, str] = {}
+    aliasing = False
     with validation.fake_inputs(leaves) as fake:
         for k in [taken] + [i for i in range(len(flat)) if i != taken]:
             try:
                 validation.check_hooks(branches[k])
-                flat[k](*fake)
+                aliasing = _subgraph.shares_storage(as_tuple(flat[k](*fake)), fake) or aliasing
             except validation.CANNOT_FAKE as e:
                 unchecked[k] = f"{type(e).__name__}: {e}"
                 continue  # data-dependent, or hooked modules: checked by its real call
@@ -415,7 +413,7 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
                     op=b.name,
                     role=roles[k],
                 ) from e
-    validation.remember(key, outputs.kind)
+    validation.remember(key, outputs.kind, aliasing=aliasing)
     validation.remember_unchecked(key, unchecked)
     return key
 

@@ -402,3 +402,20 @@ def test_threads_clearing_the_cache_while_a_selector_is_read(impl: str) -> None:
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.parametrize(
+    "alias",
+    [lambda a: a.detach(), lambda a: a.data, lambda a: a.detach().view(-1)],
+    ids=["detach", "data", "view of detach"],
+)
+def test_aliases_that_are_not_views_are_cloned(impl: str, alias: Any) -> None:
+    """x.detach() shares x's memory without being a view: validation sees the shared
+    storage, such calls are never cached inline, and the general path clones them."""
+    for requires_grad in (False, True):
+        x = torch.randn(3, requires_grad=requires_grad)
+        before = x.detach().clone()
+        for _ in range(4):
+            hop.cond(torch.tensor(True), alias, lambda a: a * 2, (x,)).mul_(0)
+            hop.switch(torch.tensor(0), [alias, lambda a: a * 2], (x,)).mul_(0)
+        torch.testing.assert_close(x.detach(), before)
