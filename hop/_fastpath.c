@@ -143,14 +143,15 @@ is_inert(PyObject *v)
            PySet_Contains(inert_types, (PyObject *)Py_TYPE(owner)) > 0;
 }
 
-/* What identifies a branch in an entry: a plain function's code, an inert builtin
-   itself; NULL for anything else (never cached). */
+/* What identifies a branch in an entry: a plain function's code, a builtin itself;
+   NULL for anything else (never cached). Python caches only inert builtins, so a
+   builtin bound to a tensor finds no entry. */
 static PyObject *
 item_of(PyObject *fn)
 {
     if (Py_IS_TYPE(fn, &PyFunction_Type))
         return PyFunction_GET_CLOSURE(fn) == NULL ? PyFunction_GET_CODE(fn) : NULL;
-    return Py_IS_TYPE(fn, &PyCFunction_Type) && is_inert(fn) ? fn : NULL;
+    return Py_IS_TYPE(fn, &PyCFunction_Type) ? fn : NULL;
 }
 
 #define FOLD(h, v) (((h) * 1000003ULL) ^ (unsigned long long)(v))

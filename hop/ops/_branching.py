@@ -371,9 +371,7 @@ def _check_output_leaves(b: Branching, role: str, fn: Fn, out: Any) -> None:
 def no_alias_tree(out: Any, operands: Sequence[Any]) -> Any:
     leaves, spec = _subgraph.flatten(out)
     cloned = (
-        _subgraph.clone_aliases(leaves, operands)
-        if any(_subgraph.may_alias(o, operands) for o in leaves)
-        else leaves
+        _subgraph.clone_aliases(leaves, operands) if any(_subgraph.may_alias(o, operands) for o in leaves) else leaves
     )
     return out if cloned is leaves else _subgraph.unflatten(cloned, spec)
 
