@@ -12,7 +12,9 @@ branch a gradient, zeros where the taken branch did not use it; hop does too.
 After the chosen branch ran with grad enabled, its differentiable outputs pass
 through one :class:`_ZeroGrads` node whose other inputs are every operand and
 every tensor the branches close over (``hop._subgraph.closure_tensors``: cells,
-bound ``self``, globals, defaults, partials) that requires grad. Its backward
+bound ``self``, globals, defaults, partials) that requires grad and that the
+taken branch's autograd graph does not reach (a walk of a few nodes: an operand
+the branch used gets its gradient from it, so the commonest call adds no node). Its backward
 passes the output gradients through unchanged and gives those tensors zeros: a
 stride-0 expanded scalar, which autograd adds to the real gradient where the
 taken branch used the tensor, and which AccumulateGrad copies into a dense
@@ -130,6 +132,8 @@ def _attach(out: Any, branches: Sequence[Callable[..., Any]], operands: Sequence
             return out
     closure = () if plain else _subgraph.closure_tensors(branches)
     reads = list({id(x): x for x in (*operands, *closure) if _dense_requiring_grad(x)}.values())
+    if reads and not _transforms_active():
+        reads = _unreached(leaves, reads)  # the taken branch's graph gives the others a gradient
     if not reads or _tracing_state() is not None:  # torch.jit.trace would record a Python op
         return out
     at = [i for i, o in enumerate(leaves) if differentiable(o)]
@@ -138,6 +142,32 @@ def _attach(out: Any, branches: Sequence[Callable[..., Any]], operands: Sequence
     for i, o in zip(at, passed, strict=True):
         leaves[i] = o
     return leaves[0] if spec is None else _subgraph.unflatten(leaves, spec)
+
+
+def _unreached(outputs: Sequence[Any], reads: Sequence[torch.Tensor], budget: int = 32) -> list[torch.Tensor]:
+    """The tensors of ``reads`` that the outputs' autograd graph does not reach within
+    ``budget`` nodes: only those need the zero-gradient node, the others get their
+    gradient from the branch that ran (an operand it used: the commonest call)."""
+    wanted = {id(r): r for r in reads}
+    grad_fns = {id(fn): r for r in reads if (fn := r.grad_fn) is not None}  # non-leaves: their node
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    seen: set[int] = set()
+    while stack and wanted and budget:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        budget -= 1
+        reached = grad_fns.get(id(node))
+        if reached is not None:
+            wanted.pop(id(reached), None)
+            continue
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            wanted.pop(id(variable), None)
+            continue
+        stack += [n for n, _ in node.next_functions if n is not None]
+    return list(wanted.values())
 
 
 def only_vmap_levels() -> bool:

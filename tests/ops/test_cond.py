@@ -824,3 +824,26 @@ def test_a_mismatch_names_the_branches_in_their_order_whichever_was_taken(taken:
         OutputMismatchError, match=r"^hop\.cond: true_fn and false_fn disagree at output: dtype float32 vs float64"
     ):
         hop.cond(torch.tensor(taken), same, double, (torch.ones(2),))
+
+
+def test_zero_gradients_only_for_what_the_taken_branch_does_not_reach() -> None:
+    """The zero-gradient node is added only for tensors the taken branch's autograd
+    graph does not reach (Note [untaken branches get zero gradients]): an operand the
+    branch used gets its gradient from it, with no node in between."""
+    x = torch.randn(3, requires_grad=True)
+    out = hop.cond(torch.tensor(True), lambda a: a.sin(), lambda a: a.cos(), (x,))
+    assert type(out.grad_fn).__name__ == "SinBackward0"
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, x.detach().cos())
+    w = torch.nn.Parameter(torch.randn(3))
+    y = torch.randn(3, requires_grad=True)
+    for p, fns in [(True, (lambda a: a.detach() * w, lambda a: a * 2)), (False, (lambda a: a * w, lambda a: a.exp()))]:
+        w.grad = y.grad = None
+        z = y * 1  # a non-leaf operand
+        hop.cond(torch.tensor(p), *fns, (z,)).sum().backward()
+        assert w.grad is not None and y.grad is not None
+        if p:  # the taken branch detached the operand: its gradient is the zeros of the node
+            assert torch.count_nonzero(y.grad) == 0
+        else:  # w is untaken: zeros
+            assert torch.count_nonzero(w.grad) == 0
+            torch.testing.assert_close(y.grad, z.detach().exp())
