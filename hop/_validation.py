@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
+    UnsupportedFakeTensorException,
     UnsupportedOperatorException,
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
@@ -54,6 +55,11 @@ _Tensor = torch.Tensor
 class NotValidatable(Exception):
     """The callables cannot be checked ahead of time (recursion through hop operators,
     modules with forward hooks: Note [module hooks do not see validation])."""
+
+
+class OperandsNotFakeable(NotValidatable):
+    """An operand has no fake counterpart (a quantized tensor): nothing is validated,
+    the real call decides."""
 
 
 class HookedModule(NotValidatable):
@@ -295,15 +301,24 @@ def known_kind(key: Any, out: Any) -> bool:
     return False
 
 
+def fakeable(leaves: Sequence[Any]) -> bool:
+    """Whether fake tensors can stand for every tensor of ``leaves`` (not a quantized one)."""
+    return not any(isinstance(x, torch.Tensor) and x.is_quantized for x in leaves)
+
+
 @contextlib.contextmanager
 def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
     """Static-shape fake copies of ``leaves``, inside their fake mode, isolated from
-    the caller's world (Note [validation is invisible])."""
+    the caller's world (Note [validation is invisible]); :class:`OperandsNotFakeable`
+    (before anything runs) for a leaf fake tensors cannot stand for."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     # user modes (Note [user modes]) would see the fake run's meta kernels: set them aside
     user_modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
     with user_modes, temporarily_clear_interpreter_stack():  # Note [validation under torch.func]
-        fake = [_to_fake(mode, x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        try:
+            fake = [_to_fake(mode, x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        except UnsupportedFakeTensorException as e:
+            raise OperandsNotFakeable(str(e)) from e
         with (
             _observe.validation_run(),
             _isolated(),

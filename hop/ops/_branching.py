@@ -389,6 +389,8 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
     roles = b.roles(len(branches))
     unchecked: dict[int, str] = {}
     aliasing = False
+    if not validation.fakeable(leaves):
+        return None  # a quantized operand: the real call decides
     with validation.fake_inputs(leaves) as fake:
         for k in [taken] + [i for i in range(len(flat)) if i != taken]:
             try:

@@ -147,10 +147,21 @@ def _attach(out: Any, branches: Sequence[Callable[..., Any]], operands: Sequence
 def _unreached(outputs: Sequence[Any], reads: Sequence[torch.Tensor], budget: int = 32) -> list[torch.Tensor]:
     """The tensors of ``reads`` that the outputs' autograd graph does not reach within
     ``budget`` nodes: only those need the zero-gradient node, the others get their
-    gradient from the branch that ran (an operand it used: the commonest call)."""
-    wanted = {id(r): r for r in reads}
-    grad_fns = {id(fn): r for r in reads if (fn := r.grad_fn) is not None}  # non-leaves: their node
-    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    gradient from the branch that ran (an operand it used: the commonest call).
+    Loops, not comprehensions: on every eager call with an operand requiring grad."""
+    wanted: dict[int, torch.Tensor] = {}
+    nodes: dict[int, torch.Tensor] = {}  # a non-leaf's grad_fn -> the tensor
+    for r in reads:
+        wanted[id(r)] = r
+        fn = r.grad_fn
+        if fn is not None:
+            nodes[id(fn)] = r
+    stack = []
+    for o in outputs:
+        if type(o) is _Tensor or isinstance(o, torch.Tensor):
+            fn = o.grad_fn
+            if fn is not None:
+                stack.append(fn)
     seen: set[int] = set()
     while stack and wanted and budget:
         node = stack.pop()
@@ -158,16 +169,25 @@ def _unreached(outputs: Sequence[Any], reads: Sequence[torch.Tensor], budget: in
             continue
         seen.add(id(node))
         budget -= 1
-        reached = grad_fns.get(id(node))
-        if reached is not None:
-            wanted.pop(id(reached), None)
+        if type(node) is _AccumulateGrad:  # a leaf's
+            wanted.pop(id(node.variable), None)  # type: ignore[attr-defined]
             continue
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
-        if variable is not None:
-            wanted.pop(id(variable), None)
+        owner = nodes.get(id(node))
+        if owner is not None:
+            wanted.pop(id(owner), None)
             continue
-        stack += [n for n, _ in node.next_functions if n is not None]
+        for n, _ in node.next_functions:
+            if n is not None:
+                stack.append(n)
     return list(wanted.values())
+
+
+def _accumulate_grad_type() -> type:
+    leaf = torch.zeros(1, requires_grad=True)
+    return type(leaf.view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+
+
+_AccumulateGrad = _accumulate_grad_type()
 
 
 def only_vmap_levels() -> bool:

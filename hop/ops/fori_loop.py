@@ -154,7 +154,7 @@ def _check_bound(role: str, bound: Any) -> None:
 
 def _validate_once(lower: int, body_fn: Callable[[Any, Any], Any], init_val: Any, leaves: list[Any], spec: Any) -> None:
     key = validation.signature(_NAME, (body_fn,), (), leaves, spec)
-    if validation.is_known(key):
+    if validation.is_known(key) or not validation.fakeable(leaves):
         return
     with validation.fake_inputs(leaves) as fake:
         val = _subgraph.unflatten(fake, spec)

@@ -188,6 +188,8 @@ def _flat_functions(cond_fn: Fn, body_fn: Fn, spec: Any) -> tuple[Fn, Fn]:
 
 def _validate(flat_cond: Fn, flat_body: Fn, leaves: list[Any], fns: tuple[Fn, Fn]) -> None:
     """One iteration on fake tensors: cond returns one bool, body keeps the carry's kind."""
+    if not validation.fakeable(leaves):
+        return  # a quantized carry: the real iterations decide
     with validation.fake_inputs(leaves) as fake:
         try:
             validation.check_hooks(*fns)

@@ -847,3 +847,19 @@ def test_zero_gradients_only_for_what_the_taken_branch_does_not_reach() -> None:
         else:  # w is untaken: zeros
             assert torch.count_nonzero(w.grad) == 0
             torch.testing.assert_close(y.grad, z.detach().exp())
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_quantized_operands_run_without_validation() -> None:
+    """Fake tensors cannot stand for a quantized tensor: validation is skipped (it
+    raised torch's UnsupportedFakeTensorException) and the real call decides."""
+    q = torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8)
+    for _ in range(3):
+        torch.testing.assert_close(
+            hop.cond(torch.tensor(False), lambda a: a.dequantize(), lambda a: a.dequantize() * 2, (q,)),
+            q.dequantize() * 2,
+        )
+        hop.switch(torch.tensor(0), [lambda a: a.dequantize(), lambda a: a.dequantize() * 2], (q,))
+    i, out = hop.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, a), (torch.tensor(0), q))
+    assert int(i) == 2 and out.dtype is torch.qint8
+    assert hop.fori_loop(0, 2, lambda i, a: a, q).dtype is torch.qint8
