@@ -8,10 +8,12 @@ import functools
 import gc
 import shutil
 import sys
+import sysconfig
 import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,6 +63,8 @@ def _served_by_cache(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_the_c_module_is_built_where_a_compiler_is() -> None:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: the Python reference runs")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("no Python headers: the Python reference runs")
     assert _inline.BUILT, "hop._fastpath did not build: pip install -e . compiles it"
 
 
