@@ -244,7 +244,8 @@ def test_compile_training_matches_eager() -> None:
         return c.sum() + hop.cond(c.sum() > 0, lambda p: p.sum(), lambda p: p.mean(), (prefix,))
 
     torch._dynamo.reset()
-    x = torch.randn(5, 4, 3, requires_grad=True)
+    torch.manual_seed(0)  # float32 compiled vs eager: an unlucky draw puts c.sum() near 0, where they may pick
+    x = torch.randn(5, 4, 3, requires_grad=True)  # different branches of the cond (seen once in CI)
     w = torch.randn(3, requires_grad=True)
     grads = torch.autograd.grad(torch.compile(f, backend="inductor", fullgraph=True)(x, w), (x, w))
     expected = torch.autograd.grad(f(x, w), (x, w))
