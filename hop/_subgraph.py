@@ -706,10 +706,16 @@ def may_alias(o: Any, operands: Sequence[Any]) -> bool:
     return any(o is x or same_memory(o, x) for x in operands)
 
 
-def shares_storage(outputs: Sequence[Any], inputs: Sequence[Any]) -> bool:
-    """Whether a tensor of ``outputs`` shares storage with one of ``inputs`` (fake included)."""
+def hidden_alias(outputs: Sequence[Any], inputs: Sequence[Any]) -> bool:
+    """Whether a tensor of ``outputs`` shares storage with one of ``inputs`` (fake
+    included) while being neither an input nor a view: ``x.detach()``, ``x.data``,
+    aliases that the cheap checks (identity, ``_is_view``) do not see."""
     seen = {s for s in map(_storage, inputs) if s is not None}
-    return any(s is not None and s in seen for s in map(_storage, outputs))
+    for o in outputs:
+        s = _storage(o)
+        if s is not None and s in seen and not o._is_view() and not any(o is x for x in inputs):
+            return True
+    return False
 
 
 def _storage(v: Any) -> int | None:

@@ -29,7 +29,6 @@ from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
-    UnsupportedFakeTensorException,
     UnsupportedOperatorException,
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
@@ -57,11 +56,6 @@ class NotValidatable(Exception):
     modules with forward hooks: Note [module hooks do not see validation])."""
 
 
-class OperandsNotFakeable(NotValidatable):
-    """An operand has no fake counterpart (a quantized tensor): nothing is validated,
-    the real call decides."""
-
-
 class HookedModule(NotValidatable):
     """A fake run would call a module with forward hooks (Note [module hooks do not see validation])."""
 
@@ -84,8 +78,8 @@ _SINKS = _observe.SINKS
 # cache] in hop.ops._inline): each entry holds a verdict, and goes with it.
 INLINE: dict[str, dict[int, tuple[Any, ...]]] = {"cond": {}, "switch": {}}
 # Verdicts whose fake run saw a callable return a tensor sharing memory with an
-# operand (x.detach(), x.data: an alias that is not a view); their calls are not
-# cached inline, so each gets the general path's storage check.
+# operand without being it or a view of it (x.detach(), x.data); their calls are
+# not cached inline, so each gets the general path's data-pointer check.
 ALIASING: set[Any] = set()
 
 
@@ -309,16 +303,13 @@ def fakeable(leaves: Sequence[Any]) -> bool:
 @contextlib.contextmanager
 def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
     """Static-shape fake copies of ``leaves``, inside their fake mode, isolated from
-    the caller's world (Note [validation is invisible]); :class:`OperandsNotFakeable`
-    (before anything runs) for a leaf fake tensors cannot stand for."""
+    the caller's world (Note [validation is invisible]). Callers check
+    :func:`fakeable` first."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     # user modes (Note [user modes]) would see the fake run's meta kernels: set them aside
     user_modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
     with user_modes, temporarily_clear_interpreter_stack():  # Note [validation under torch.func]
-        try:
-            fake = [_to_fake(mode, x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        except UnsupportedFakeTensorException as e:
-            raise OperandsNotFakeable(str(e)) from e
+        fake = [_to_fake(mode, x) if isinstance(x, torch.Tensor) else x for x in leaves]
         with (
             _observe.validation_run(),
             _isolated(),

@@ -395,7 +395,7 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
         for k in [taken] + [i for i in range(len(flat)) if i != taken]:
             try:
                 validation.check_hooks(branches[k])
-                aliasing = _subgraph.shares_storage(as_tuple(flat[k](*fake)), fake) or aliasing
+                aliasing = _subgraph.hidden_alias(as_tuple(flat[k](*fake)), fake) or aliasing
             except validation.CANNOT_FAKE as e:
                 unchecked[k] = f"{type(e).__name__}: {e}"
                 continue  # data-dependent, or hooked modules: checked by its real call

@@ -80,9 +80,11 @@ def _item(fn: Fn) -> Any:
 
 def remember(name: str, fns: Sequence[Fn], x: torch.Tensor, verdict: Any, kinds: set[Any]) -> None:
     """Make the entry for a call of ``name`` that found its ``verdict`` (key and kinds)."""
+    if verdict in validation.ALIASING or validation._UNCHECKED.get(verdict) or None in map(_item, fns):
+        return  # an output may alias x unseen, a branch was never checked, or one is never cached
     k = key(list(fns), x)
-    if k is None or None in map(_item, fns) or verdict in validation.ALIASING or validation._UNCHECKED.get(verdict):
-        return  # an output may alias x without being a view, or a branch was never checked
+    if k is None:
+        return
     cache = _CACHES[name]
     if len(cache) >= CACHE_SIZE:
         cache.clear()
