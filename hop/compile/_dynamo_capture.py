@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._dynamo.exc import TorchRuntimeError, Unsupported
+from torch._dynamo.exc import Unsupported
 from torch._dynamo.utils import _make_inlined, get_fake_value
 from torch._dynamo.variables import ConstantVariable, TupleVariable, VariableTracker
 from torch._dynamo.variables.builder import SourcelessBuilder, wrap_fx_proxy
@@ -40,6 +40,7 @@ from torch._dynamo.variables.tensor import SymNodeVariable
 
 from hop import _observe
 from hop._transforms import DYNAMO_CALL
+from hop.compile._torch_api import fake_propagation_errors
 from hop.errors import CompileUnsupported, HopError, format_message
 
 __all__ = [
@@ -143,13 +144,16 @@ def _hop_cause(error: BaseException) -> HopError | None:
     return None
 
 
+_CAUGHT: tuple[type[BaseException], ...] = (Unsupported, *fake_propagation_errors())
+
+
 @contextmanager
 def hop_errors_break_graph() -> Iterator[None]:
     """A HopError raised inside (by hop's checks, or by its fake rule during fake
     propagation) leaves as a graph break that is still that HopError."""
     try:
         yield
-    except (Unsupported, TorchRuntimeError) as e:  # fake propagation wraps what fails in the latter
+    except _CAUGHT as e:  # fake propagation wraps what fails in all but the first
         cause = _hop_cause(e)
         if cause is None or isinstance(e, HopError):
             raise

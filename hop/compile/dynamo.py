@@ -38,7 +38,8 @@ Dynamo off for everything under the raw op's ``__call__``. A user mistake raises
 the HopError eager raises (a graph break without fullgraph, so that eager raises it).
 
 Registration waits until torch imports ``torch._dynamo`` (``import hop`` does not).
-Private torch API used here and in the handler modules (checked on torch 2.13):
+Private torch API used here and in the handler modules (each listed, with the releases it was checked on, in
+:mod:`hop.compile._torch_api`):
 ``_hop_name_to_variable_class``, ``TorchHigherOrderOperatorVariable``,
 ``BaseHOPVariable``, ``speculate_subgraph``, ``discard_graph_changes``,
 ``make_attr``, ``_make_inlined``, ``wrap_fx_proxy``, ``SourcelessBuilder``,

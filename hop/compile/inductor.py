@@ -37,7 +37,8 @@ installs the pass in ``torch._inductor.config.post_grad_custom_pre_pass``,
 ahead of any pass already there (a user who sets a pass later writes
 ``hop.compile.inductor.chain(my_pass)``; without it the lowering explains).
 
-Private torch internals touched here and in the rewrites (checked on torch 2.13):
+Private torch internals touched here and in the rewrites (each listed, with the releases it was checked on, in
+:mod:`hop.compile._torch_api`):
 
 - ``torch._inductor.lowering``: ``lowerings``, ``register_lowering``; the
   ``Subgraph`` arguments' ``graph_module``;
@@ -102,8 +103,9 @@ def _register(lowering: ModuleType) -> None:
 
 
 def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
-    """torch's lowering; a single output is a 1-tuple while it runs (``ir.Conditional``
-    zips the node's ``meta["val"]`` with the branches' outputs)."""
+    """torch's lowering; a single output is a 1-tuple while it runs (torch's conditional
+    zips the node's ``meta["val"]`` with the branches' outputs, which it reads as a
+    sequence)."""
     from torch._inductor.virtualized import V
 
     _bind_item_symbols(true_fn.graph_module, false_fn.graph_module)
@@ -112,6 +114,7 @@ def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands
     if isinstance(val, (tuple, list)):
         with _own_buffers():
             return torch_cond(pred, true_fn, false_fn, operands)
+    _tuple_outputs(true_fn.graph_module, false_fn.graph_module)
     node.meta["val"] = (val,)
     if bindings:
         node.meta["unbacked_bindings"] = {s: (pytree.SequenceKey(0), *p) for s, p in bindings.items()}
@@ -122,6 +125,17 @@ def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands
         node.meta["val"] = val
         if bindings:
             node.meta["unbacked_bindings"] = bindings
+
+
+def _tuple_outputs(*graphs: torch.fx.GraphModule) -> None:
+    """Make branch subgraphs that return one output bare return a 1-tuple: torch's
+    lowering (``ir.Switch`` from torch 2.14) reads the branches' outputs as a sequence.
+    Idempotent: two cond nodes may share a branch subgraph."""
+    for gm in graphs:
+        out = gm.graph.output_node()
+        if not isinstance(out.args[0], (tuple, list)):
+            out.args = ((out.args[0],),)
+            gm.recompile()
 
 
 def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: Any, additional_inputs: Any) -> Any:

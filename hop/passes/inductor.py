@@ -10,7 +10,8 @@ with GraphModule subgraphs, as in a traced program. Turn it on with::
     import hop.passes.inductor
     hop.passes.inductor.enable()  # or: config.post_grad_custom_pre_pass = hop.passes.inductor.chain(my_pass)
 
-Private torch internals touched here (checked on torch 2.13):
+Private torch internals touched here (each listed, with the releases it was checked on, in
+:mod:`hop.compile._torch_api`):
 ``torch._inductor.config.post_grad_custom_pre_pass`` and
 ``torch._inductor.custom_graph_pass.CustomGraphPass`` / ``get_hash_for_files``.
 """

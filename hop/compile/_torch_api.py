@@ -1,0 +1,195 @@
+"""What hop's compiler bridge needs of torch's private API, and what differs between torch versions.
+
+The bridge (:mod:`hop.compile` and :mod:`hop.passes.inductor`) talks to Dynamo,
+AOTAutograd and Inductor through names torch does not promise to keep. This module
+is the one list of them: :data:`PRIVATE` names every private symbol the bridge
+imports or reads (a test resolves each on the installed torch, and another checks
+that every ``from torch._... import`` of the bridge is listed), and the functions
+below are the one place where the bridge's code depends on the torch version.
+
+Supported torch releases: :data:`CHECKED_ON`. Between them, nothing hop uses moved or
+was renamed; what changed is behaviour behind the same names (:data:`CHANGES`), which
+only running the tests on each version shows.
+
+Importing this module imports neither Dynamo nor Inductor: the symbols are strings,
+resolved on demand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHANGES",
+    "CHECKED_ON",
+    "PRIVATE",
+    "VERSION",
+    "Change",
+    "Private",
+    "at_least",
+    "fake_propagation_errors",
+    "resolve",
+]
+
+CHECKED_ON = ("2.13.0", "2.14.1", "2.15.0")
+"""The torch releases the test suite passes on (``pyproject.toml`` admits ``>=2.13,<2.16``)."""
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+VERSION = _release(torch.__version__)
+"""The installed torch's (major, minor)."""
+
+
+def at_least(major: int, minor: int) -> bool:
+    return (major, minor) <= VERSION
+
+
+@dataclasses.dataclass(frozen=True)
+class Private:
+    """A private torch symbol the bridge uses: ``path`` is a module followed by attributes.
+    Instance attributes (``SubgraphTracer.bound_symbols``, ``TracingContext.fw_metadata``,
+    ``V.graph.current_node``) have no class-level name to check: the tests that compile
+    through them are their check."""
+
+    path: str
+    used_by: str
+    since: tuple[int, int] = (2, 13)  # the first release that has it
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """A behaviour that differs between supported releases, and where hop handles it."""
+
+    since: tuple[int, int]
+    what: str
+    handled_by: str
+
+
+def _listed(used_by: str, *paths: str, since: tuple[int, int] = (2, 13)) -> list[Private]:
+    return [Private(p, used_by, since) for p in paths]
+
+
+_DYNAMO_VARIABLES = "torch._dynamo.variables"
+PRIVATE: tuple[Private, ...] = (
+    *_listed(
+        "hop.compile.dynamo",
+        "torch._C._dynamo.eval_frame._FrameAction",
+        "torch._C._dynamo.eval_frame._FrameExecStrategy",
+        "torch._C._dynamo.eval_frame.set_code_exec_strategy",
+        "torch._dynamo.exc.unimplemented",
+        f"{_DYNAMO_VARIABLES}.higher_order_ops",
+        f"{_DYNAMO_VARIABLES}.higher_order_ops._hop_name_to_variable_class",
+        f"{_DYNAMO_VARIABLES}.higher_order_ops.BaseHOPVariable",
+        "torch._higher_order_ops.BaseHOP",
+    ),
+    *_listed(
+        "hop.compile._dynamo_capture and the handler modules",
+        "torch._dynamo.exc.TorchRuntimeError",
+        "torch._dynamo.exc.Unsupported",
+        "torch._dynamo.utils._make_inlined",
+        "torch._dynamo.utils.get_fake_value",
+        f"{_DYNAMO_VARIABLES}.ConstantVariable",
+        f"{_DYNAMO_VARIABLES}.TupleVariable",
+        f"{_DYNAMO_VARIABLES}.VariableTracker",
+        f"{_DYNAMO_VARIABLES}.builder.SourcelessBuilder",
+        f"{_DYNAMO_VARIABLES}.builder.wrap_fx_proxy",
+        f"{_DYNAMO_VARIABLES}.builtin.BuiltinVariable",
+        f"{_DYNAMO_VARIABLES}.higher_order_ops.TorchHigherOrderOperatorVariable",
+        f"{_DYNAMO_VARIABLES}.higher_order_ops.discard_graph_changes",
+        f"{_DYNAMO_VARIABLES}.higher_order_ops.make_attr",
+        f"{_DYNAMO_VARIABLES}.higher_order_ops.speculate_subgraph",
+        f"{_DYNAMO_VARIABLES}.lazy.LazyVariableTracker",
+        f"{_DYNAMO_VARIABLES}.lists.BaseListVariable",
+        f"{_DYNAMO_VARIABLES}.tensor.SymNodeVariable",
+        "torch._dynamo.output_graph.OutputGraph.install_subgraph",
+        "torch._dynamo.output_graph.SubgraphTracer.create_graph_input",
+        "torch.fx.experimental.symbolic_shapes._constrain_range_for_size",
+        "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols",
+    ),
+    *_listed(
+        "hop.compile._dynamo_capture (fake propagation errors, see fake_propagation_errors)",
+        "torch._dynamo.exc.FakeTensorObservedException",
+        since=(2, 14),
+    ),
+    *_listed(
+        "hop.compile.inductor and hop.compile._inductor_rewrites",
+        "torch._inductor.lowering.lowerings",
+        "torch._inductor.lowering.register_lowering",
+        "torch._inductor.config.post_grad_custom_pre_pass",
+        "torch._inductor.config.use_post_grad_passes",
+        "torch._inductor.config._config",
+        "torch._inductor.custom_graph_pass.CustomGraphPass",
+        "torch._inductor.custom_graph_pass.get_hash_for_files",
+        "torch._inductor.pattern_matcher.CallFunctionVarArgs",
+        "torch._inductor.pattern_matcher.Match.replace_by_example",
+        "torch._inductor.virtualized.V",
+        "torch._inductor.ir.Subgraph",
+        "torch._guards.TracingContext.try_get",
+        "torch._dispatch.python.enable_python_dispatcher",
+        "torch._prims_common.make_contiguous_strides_for",
+        "torch._subclasses.fake_tensor.FakeTensor",
+        "torch.fx.experimental.proxy_tensor.make_fx",
+        "torch.fx.experimental.symbolic_shapes.statically_known_true",
+        "torch.fx.experimental.symbolic_shapes.sym_eq",
+        "torch.utils._sympy.interp.sympy_interp",
+        "torch.utils._sympy.reference.PythonReferenceAnalysis",
+        "torch.ops.higher_order.cond",
+        "torch.ops.higher_order.while_loop",
+    ),
+)
+
+CHANGES: tuple[Change, ...] = (
+    Change(
+        (2, 14),
+        "Inductor's lowering of torch.ops.higher_order.cond builds ir.Switch, which reads each branch "
+        "subgraph's output as a sequence (2.13's ir.Conditional also took one bare output).",
+        "hop.compile.inductor._lower_cond: a single-output cond's branch subgraphs return a 1-tuple",
+    ),
+    Change(
+        (2, 14),
+        "Dynamo's get_fake_value raises FakeTensorObservedException (from None) for an error in a fake "
+        "kernel, where 2.13 raised TorchRuntimeError.",
+        "fake_propagation_errors(): hop finds its own HopError inside either",
+    ),
+    Change(
+        (2, 14),
+        "make_fx with fake or symbolic tracing traces w[i] on an unbacked int i (with _assert_scalar "
+        "bounds checks); 2.13 raised a data-dependent guard error.",
+        "nothing to handle: hop's traced loops give the right value on both",
+    ),
+)
+
+
+def resolve(path: str) -> Any:
+    """The object a dotted ``path`` names: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+def fake_propagation_errors() -> tuple[type[BaseException], ...]:
+    """What Dynamo raises when a node's fake propagation fails (hop's fake rules raise
+    HopErrors there): ``TorchRuntimeError`` on 2.13, ``FakeTensorObservedException``
+    from 2.14 (see :data:`CHANGES`). Imports Dynamo: call it only from the bridge."""
+    from torch._dynamo import exc
+
+    errors: tuple[type[BaseException], ...] = (exc.TorchRuntimeError,)
+    observed = getattr(exc, "FakeTensorObservedException", None)
+    if observed is not None:
+        errors = (*errors, observed)
+    return errors
