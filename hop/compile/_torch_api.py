@@ -132,6 +132,8 @@ PRIVATE: tuple[Private, ...] = (
         "torch._inductor.pattern_matcher.Match.replace_by_example",
         "torch._inductor.virtualized.V",
         "torch._inductor.ir.Subgraph",
+        "torch._inductor.ir.IRNode",
+        "torch._inductor.ir.ExternKernel.require_exact_strides",
         "torch._guards.TracingContext.try_get",
         "torch._dispatch.python.enable_python_dispatcher",
         "torch._prims_common.make_contiguous_strides_for",

@@ -110,6 +110,7 @@ def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands
 
     _bind_item_symbols(true_fn.graph_module, false_fn.graph_module)
     node = V.graph.current_node
+    operands = _traced_strides(operands, node.args[-1])
     val, bindings = node.meta["val"], node.meta.get("unbacked_bindings")
     if isinstance(val, (tuple, list)):
         with _own_buffers():
@@ -127,6 +128,30 @@ def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands
             node.meta["unbacked_bindings"] = bindings
 
 
+# Note [operands keep their traced strides]
+# A branch or loop body is lowered as a graph of its own, compiled for inputs with
+# the strides its FX node's inputs had when traced (their meta["val"]). Inductor may
+# lay an operand out otherwise in the parent graph: a tensor that also feeds a
+# torch.cat is written straight into the cat's buffer, a view with the cat's row
+# stride. torch's lowerings pass such an operand as it is, so the subgraph's stride
+# assert fails under torch.compile, and an AOTInductor package (which has no such
+# asserts) reads it with the wrong strides: wrong values, silently. Each operand is
+# first made to have exactly its traced strides (a copy where it does not).
+
+
+def _traced_strides(values: Sequence[Any], traced: Any) -> list[Any]:
+    """Note [operands keep their traced strides]."""
+    from torch._inductor import ir
+
+    nodes = list(traced) if isinstance(traced, (tuple, list)) else [traced]
+    out = list(values)
+    for k, (value, node) in enumerate(zip(out, nodes, strict=False)):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and isinstance(value, ir.IRNode):
+            out[k] = ir.ExternKernel.require_exact_strides(value, val.stride(), allow_padding=False)
+    return out
+
+
 def _tuple_outputs(*graphs: torch.fx.GraphModule) -> None:
     """Make branch subgraphs that return one output bare return a 1-tuple: torch's
     lowering (``ir.Switch`` from torch 2.14) reads the branches' outputs as a sequence.
@@ -140,12 +165,17 @@ def _tuple_outputs(*graphs: torch.fx.GraphModule) -> None:
 
 def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: Any, additional_inputs: Any) -> Any:
     """torch's lowering; a single carry is returned bare, as the op does."""
+    from torch._inductor.virtualized import V
+
     defined = _bind_item_symbols(body_fn.graph_module)
     if defined & _bind_item_symbols(cond_fn.graph_module):
         # The C++ wrapper declares the condition's and the body's reads in one
         # block: the condition must define symbols of its own.
         cond_fn.graph_module = _retrace(cond_fn.graph_module)
         _bind_item_symbols(cond_fn.graph_module)
+    node = V.graph.current_node
+    carried_inputs = _traced_strides(carried_inputs, node.args[2])
+    additional_inputs = _traced_strides(additional_inputs, node.args[3])
     with _own_buffers():
         out = torch_while(cond_fn, body_fn, carried_inputs, additional_inputs)
     return out[0] if len(carried_inputs) == 1 else out

@@ -1,0 +1,100 @@
+"""Check a model across the compiled matrix against eager: torch.compile(fullgraph=True)
+with aot_eager and Inductor, export (strict and non-strict, saved and loaded), and an
+AOTInductor package run in a fresh process where hop cannot be imported.
+
+Each check takes the model, one example to compile or export with, and several cases
+that take other branches and trip counts; every case's result must equal eager's.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+Case = tuple[Any, ...]
+
+
+def assert_same(actual: Any, expected: Any, what: str) -> None:
+    a, e = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
+    assert len(a) == len(e), f"{what}: {len(a)} outputs vs eager's {len(e)}"
+    for k, (p, q) in enumerate(zip(a, e, strict=True)):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6, msg=lambda m, k=k: f"{what}, output {k}: {m}")
+
+
+def check_compile(model: Callable[..., Any], cases: Sequence[Case], backend: str, dynamic: bool = True) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+    for k, case in enumerate(cases):
+        assert_same(compiled(*case), model(*case), f"torch.compile({backend}) case {k}")
+
+
+def check_compile_grad(model: Callable[..., Any], cases: Sequence[Case], backend: str) -> None:
+    """Gradients of ``model(*case)``'s outputs summed, w.r.t. its floating inputs and parameters."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+
+    def grads(fn: Callable[..., Any], case: Case) -> list[torch.Tensor]:
+        case = tuple(c.detach().requires_grad_() if _differentiable(c) else c for c in case)
+        params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+        wrt = [c for c in case if isinstance(c, torch.Tensor) and c.requires_grad] + params
+        total = sum(o.sum() for o in pytree.tree_leaves(fn(*case)) if _differentiable(o))
+        return list(torch.autograd.grad(total, wrt, allow_unused=True, materialize_grads=True))
+
+    for k, case in enumerate(cases):
+        assert_same(grads(compiled, case), grads(model, case), f"grad of torch.compile({backend}) case {k}")
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def export(model: torch.nn.Module, example: Case, strict: bool, dynamic_shapes: Any = None) -> Any:
+    ep = torch.export.export(model, example, strict=strict, dynamic_shapes=dynamic_shapes)
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    return torch.export.load(buffer)
+
+
+def check_export(model: torch.nn.Module, example: Case, cases: Sequence[Case], dynamic_shapes: Any = None) -> None:
+    for strict in (False, True):
+        ep = export(model, example, strict, dynamic_shapes)
+        decomposed = ep.run_decompositions()
+        for k, case in enumerate(cases):
+            assert_same(ep.module()(*case), model(*case), f"export(strict={strict}) case {k}")
+            assert_same(decomposed.module()(*case), model(*case), f"run_decompositions(strict={strict}) case {k}")
+
+
+# Runs in a fresh interpreter where hop cannot even be imported.
+_LOAD = """
+import sys
+sys.modules["hop"] = None
+import torch
+package, inputs, outputs = sys.argv[1:]
+model = torch._inductor.aoti_load_package(package)
+torch.save([model(*case) for case in torch.load(inputs)], outputs)
+"""
+
+
+def check_aoti(
+    model: torch.nn.Module, example: Case, cases: Sequence[Case], tmp: Path, dynamic_shapes: Any = None
+) -> None:
+    ep = torch.export.export(model, example, dynamic_shapes=dynamic_shapes)
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / "model.pt2"))
+    torch.save(list(cases), tmp / "inputs.pt")
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD, package, str(tmp / "inputs.pt"), str(tmp / "outputs.pt")],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for k, (got, case) in enumerate(zip(torch.load(tmp / "outputs.pt"), cases, strict=True)):
+        assert_same(got, model(*case), f"AOTInductor case {k}")
