@@ -195,13 +195,18 @@ def _masks(index: Any, n: int) -> list[Any]:
     return [index == k for k in range(n)]
 
 
+def _unwrapped(index: torch.Tensor) -> torch.Tensor:
+    """The tensor under every functorch wrapper of ``index`` (a vmap batch: all its elements)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(index):
+        index = torch._C._functorch.get_unwrapped(index)
+    return index
+
+
 def _check_batched_index(index: torch.Tensor, n: int) -> None:
     """Range-check every element of a vmap-batched index (batching rules cannot assert)."""
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
-    raw = index
-    while torch._C._functorch.is_functorch_wrapped_tensor(raw):
-        raw = torch._C._functorch.get_unwrapped(raw)
+    raw = _unwrapped(index)
     with temporarily_clear_interpreter_stack():
         bad = (raw < 0) | (raw >= n)
         if is_plain_tensor(raw) and not mode_stack_len():
@@ -276,10 +281,14 @@ def switch_proxy(mode: ProxyTorchDispatchMode, index: Any, operands: Sequence[An
         _check(index >= 0)
         _check(index < n)
     elif isinstance(index, torch.Tensor):
-        known = index if not isinstance(index, FakeTensor) else index.constant  # a value known while tracing
-        if known is not None:
+        # Under vmap (export's pre-dispatch trace outranks it) the index is a batch: its
+        # elements are checked in the graph, on the tensor the batch wraps.
+        raw = _unwrapped(index)
+        known = raw if not isinstance(raw, FakeTensor) else raw.constant  # a value known while tracing
+        if known is not None and raw is index:
             with unset_fake_temporarily():  # a real value: read it outside the fake mode
                 _index(known, n)  # out of range: a HopValueError now, as in eager (not the assert below)
         with mode:  # recorded in the graph: the exported program checks it at run time
-            torch._assert_async((index >= 0) & (index < n), f"hop.switch: index out of range for {n} branches")
+            ok = ((raw >= 0) & (raw < n)).all()
+            torch._assert_async(ok, f"hop.switch: index out of range for {n} branches")
     return br.proxy(SWITCH, mode, index, branches, operands)

@@ -222,6 +222,42 @@ def test_vmap_batched_index_traced_keeps_a_runtime_assert() -> None:
         gm(torch.tensor([1, 4]), X.expand(2, 3), W)
 
 
+class _VmappedSwitch(torch.nn.Module):
+    def forward(self, index: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(program, in_dims=(0, 0, None))(index, xs, W)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_vmap_batched_index_exports(strict: bool) -> None:
+    # switch's tracing rule read the batched index as a constant (vmap's .item() error)
+    index, xs = torch.tensor([2, 0, 1]), torch.randn(3, 3)
+    ep = roundtrip(torch.export.export(_VmappedSwitch(), (index, xs), strict=strict))
+    for other in (index, torch.tensor([1, 1, 0]), torch.tensor([0, 2, 2])):
+        torch.testing.assert_close(ep.module()(other, xs), _VmappedSwitch()(other, xs))
+    with pytest.raises(RuntimeError, match="index out of range for 3 branches"):
+        try:
+            ep.module()(torch.tensor([0, 3, 1]), xs)
+        finally:
+            # torch's exported vmap region has no cleanup: an error inside it leaves its level
+            while torch._C._functorch.maybe_current_level() is not None:
+                torch._C._functorch._vmap_decrement_nesting()
+
+
+@pytest.mark.parametrize("how", ["export", "strict export", "compile"])
+def test_a_mistake_under_vmap_in_a_traced_program_leaves_no_transform_level(how: str) -> None:
+    class Mismatch(torch.nn.Module):
+        def forward(self, index: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+            return torch.vmap(lambda i, v: hop.switch(i, [lambda a: a + 1, lambda a: a.double()], (v,)))(index, xs)
+
+    args = (torch.tensor([0, 1, 1]), torch.randn(3, 4))
+    with pytest.raises(OutputMismatchError, match="dtype float32 vs float64"):
+        if how == "compile":
+            torch.compile(Mismatch(), fullgraph=True, backend="aot_eager")(*args)
+        else:
+            torch.export.export(Mismatch(), args, strict=how == "strict export")
+    assert torch._C._functorch.maybe_current_level() is None  # (and the autouse leak guard checks the rest)
+
+
 def test_vmap_unbatched_index() -> None:
     xs = torch.randn(4, 3)
     out = torch.vmap(program, in_dims=(None, 0, None))(torch.tensor(2), xs, W)
