@@ -83,10 +83,14 @@ def _install(dynamo: ModuleType) -> None:
 def _run_ops_outside_dynamo() -> None:
     """Code Dynamo never compiles as a frame of its own, nor anything it calls: a raw
     op's ``__call__`` (it runs eagerly while Dynamo is active after a graph break at its
-    call) and the public functions (after a graph break at their call, or when a
-    backend failed and Dynamo falls back to eager). hop's dispatcher, rules and eager
-    paths then run as plain Python, instead of being compiled piece by piece. Dynamo
-    still traces through the public functions when it inlines them."""
+    call). hop's dispatcher, rules and eager paths then run as plain Python, instead of
+    being compiled piece by piece.
+
+    A public function's own frame may be compiled (``torch.compile(hop.cond)``; or the
+    frame Dynamo meets after a graph break at its call): its ``is_dynamo_compiling()``
+    line makes that one graph of the raw op. What such a frame calls while running
+    eagerly is never compiled (the eager paths, when a capture fell back). Dynamo
+    traces through the public functions when it inlines them."""
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     from hop._operator import HigherOrderOperator
@@ -100,8 +104,10 @@ def _run_ops_outside_dynamo() -> None:
 
     public = (cond, switch, while_loop, fori_loop, map, scan, associative_scan)
     calls = (HigherOrderOperator.__call__, HigherOrderOperator.dispatch, SwitchOp.__call__)
-    for fn in (*calls, *public):
+    for fn in calls:
         set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    for fn in public:
+        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.SKIP))
 
 
 class _Entry:

@@ -177,6 +177,27 @@ def test_raw_ops_called_in_user_code() -> None:
     assert rec.ops() == ["torch.ops.hop.cond", "torch.ops.hop.switch"]
 
 
+# (public function, its arguments): compiled as the function itself, torch.compile(hop.cond)
+DIRECT: dict[str, tuple[Fn, tuple[Any, ...]]] = {
+    "cond": (hop.cond, (X.sum() > 0, lambda a: a.sin(), lambda a: a.cos(), (X,))),
+    "switch": (hop.switch, (torch.tensor(1), [lambda a: a + 1, lambda a: a * 2, lambda a: a - 1], (X,))),
+    "while_loop": (hop.while_loop, (lambda i, a: i < 3, lambda i, a: (i + 1, a * 1.5), (torch.tensor(0), X))),
+    "fori_loop": (hop.fori_loop, (0, 4, lambda i, a: a + i, X)),
+    "map": (hop.map, (lambda r, w: r * w, X, X[0])),
+    "scan": (hop.scan, (lambda c, r: (c + r, c * r), X[0], X)),
+    "associative_scan": (hop.associative_scan, (lambda a, b: a + b, X, 0)),
+}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_compiling_a_public_function_itself_compiles_one_frame(op: str) -> None:
+    # torch.compile(hop.cond): its frame was skipped, so nothing compiled ("found no compiled frames")
+    fn, args = DIRECT[op]
+    rec = Recorder()
+    assert_close(compiled(fn, rec)(*args), fn(*args))
+    assert len(rec.graphs) == 1 and op_name(op) in rec.ops()
+
+
 def test_torch_cond_keeps_torchs_handler() -> None:
     rec = Recorder()
     f = compiled(lambda x: torch.cond(x.sum() > 0, lambda a: a.sin(), lambda a: a.cos(), (x,)), rec)
