@@ -104,8 +104,8 @@ def _run_ops_outside_dynamo() -> None:
 
     public = (cond, switch, while_loop, fori_loop, map, scan, associative_scan)
     calls = (HigherOrderOperator.__call__, HigherOrderOperator.dispatch, SwitchOp.__call__)
-    for fn in calls:
-        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    for call in calls:
+        set_code_exec_strategy(call.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
     for fn in public:
         set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.SKIP))
 
