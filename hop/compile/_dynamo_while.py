@@ -170,7 +170,7 @@ class WhileLoopVariable(HopVariable):
         check_spec_order("while_loop", [py_spec, body.out_spec()], "carried_inputs and body_fn's output")
         _check_inductor_carries(tx, "while_loop" if fns[0] is not None else "fori_loop", values, varying)
         generic = _generic_carries(tx, values, varying)  # fresh values: no fake-tensor memo shared with body_fn
-        cond = self.trace(tx, "cond_fn", cond_fn, generic, spec, additional)
+        cond = self.trace_cond(tx, cond_fn, generic, spec, additional)
         while_module._truth(pytree.tree_unflatten([example(o) for o in cond.outputs], cond.out_spec()), fns[0])
         bare_single_output(cond.graph, tensors_only=False)
         lifted = share_lifted([cond, body])
@@ -178,6 +178,19 @@ class WhileLoopVariable(HopVariable):
         inits = tuple(leaf.as_proxy() for leaf in leaves)
         out = emit(tx, self.value, (*graphs, inits, (*proxies(additional), *lifted)))
         return output_items(out)
+
+    def trace_cond(self, tx: Any, cond_fn: VT, generic: list[VT], spec: VT, additional: list[VT]) -> Subgraph:
+        """cond_fn traced on SymInt int carries or, where it cannot be, on 0-dim int64
+        tensors (Note [int carries in a traced condition], hop.ops.while_loop)."""
+        slots = tuple(k for k, g in enumerate(generic) if isinstance(example(g), torch.SymInt))
+        try:
+            return self.trace(tx, "cond_fn", cond_fn, generic, spec, additional)
+        except Exception as e:
+            if not slots or not _data_dependent(e):
+                raise
+        partial = SourcelessBuilder.create(tx, functools.partial)
+        tensors = partial.call_function(tx, [SourcelessBuilder.create(tx, _tensor_ints), constant(slots), cond_fn], {})
+        return self.trace(tx, "cond_fn", tensors, generic, spec, additional)
 
     def trace(self, tx: Any, role: str, fn: VT, generic: list[VT], spec: VT, additional: list[VT]) -> Subgraph:
         """``fn`` traced on generalized carries: their unbacked sizes are read from the
@@ -189,6 +202,21 @@ class WhileLoopVariable(HopVariable):
         if reads:
             _bind_sizes(sub.graph, reads)
         return sub
+
+
+def _data_dependent(error: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, GuardOnDataDependentSymNode) or "data-dependent expression" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _tensor_ints(slots: tuple[int, ...], fn: Any, *args: Any) -> Any:
+    return fn(*(torch.scalar_tensor(a, dtype=torch.int64) if k in slots else a for k, a in enumerate(args)))
 
 
 def _check_inductor_carries(tx: Any, op: str, values: Sequence[Any], varying: Sequence[set[int]]) -> None:

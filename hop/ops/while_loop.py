@@ -27,6 +27,7 @@ from torch._C import DispatchKey
 from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from hop import _observe, _reference, _subgraph, _transforms
 from hop import _validation as validation
@@ -465,8 +466,12 @@ def _ints_as_tensors(
     def as_ints(args: Sequence[Any]) -> list[Any]:
         return [a.item() if i in slots else a for i, a in enumerate(args)]
 
+    fake_mode = torch._guards.detect_fake_mode([*carried, *additional])
+    assert fake_mode is not None and fake_mode.shape_env is not None  # the caller checked
+    ints_in_cond = _cond_reads_symints(cond_fn, carried, additional, slots, fake_mode)
+
     def cond_t(*args: Any) -> Any:
-        return cond_fn(*as_ints(args[:n]), *args[n:])
+        return cond_fn(*(as_ints(args[:n]) if ints_in_cond else args[:n]), *args[n:])
 
     def body_t(*args: Any) -> tuple[Any, ...]:
         out = as_tuple(body_fn(*as_ints(args[:n]), *args[n:]))
@@ -474,8 +479,6 @@ def _ints_as_tensors(
 
     cond_t.__wrapped__ = cond_fn  # type: ignore[attr-defined]
     body_t.__wrapped__ = body_fn  # type: ignore[attr-defined]
-    fake_mode = torch._guards.detect_fake_mode([*carried, *additional])
-    assert fake_mode is not None and fake_mode.shape_env is not None  # the caller checked
     fake_mode.allow_scalar_outputs = True  # for .item(): AOTAutograd's fake mode under torch.compile forbids it
     with fake_mode:
         ranges = carry_ranges(_NAME, body_fn, tuple(carried), tuple(additional), fake_mode.shape_env)
@@ -486,6 +489,32 @@ def _ints_as_tensors(
     fresh = [assume_range(r, *rng, size=False) for r, rng in zip(result, ranges, strict=True) if rng and _symbolic(r)]
     assert_ranges(mode, _NAME, tuple(result), fresh, root="carry", why=_DERIVED)
     return result[0] if n == 1 else tuple(result)
+
+
+# Note [int carries in a traced condition]
+# A traced loop gives its int carries to cond_fn as unbacked SymInts. A condition that
+# mixes one with a tensor (``(~done).any() & (t < n)``) makes torch read ``t < n`` as a
+# Python bool, which a data-dependent value cannot be: the trace fails where eager,
+# which has a real int, works. Such a condition gets the carries as the 0-dim int64
+# tensors they travel as instead, so that ``t < n`` is a tensor too; the value it
+# computes is the same. Conditions that work on SymInts keep getting SymInts.
+
+
+def _cond_reads_symints(
+    cond_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], slots: Sequence[int], fake_mode: FakeTensorMode
+) -> bool:
+    """Note [int carries in a traced condition]: whether cond_fn can be traced on SymInts."""
+    shape_env = fake_mode.shape_env
+    assert shape_env is not None
+    with fake_mode, shape_env.ignore_fresh_unbacked_symbols():
+        values = [shape_env.create_unbacked_symint() if i in slots else c for i, c in enumerate(carried)]
+        try:
+            cond_fn(*values, *additional)
+        except GuardOnDataDependentSymNode:
+            return False
+        except Exception:  # any other mistake is reported by the real trace
+            return True
+    return True
 
 
 _DERIVED = "the range derived from the initial value and body_fn"

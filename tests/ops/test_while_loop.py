@@ -746,3 +746,34 @@ def test_a_literal_counter_is_not_baked_into_the_traced_body(mode: str) -> None:
         tracing_mode="symbolic",
     )(torch.zeros(2))
     torch.testing.assert_close(shapes(torch.zeros(2)), torch.ones(2))
+
+
+class _EarlyStop(torch.nn.Module):
+    """Greedy decoding's loop: an int step counter and a tensor 'done' meet in the condition."""
+
+    def forward(self, h: torch.Tensor) -> Any:
+        def cond_fn(t: Any, done: torch.Tensor, h: torch.Tensor) -> Any:
+            return (~done).any() & (t < 5)
+
+        def body_fn(t: Any, done: torch.Tensor, h: torch.Tensor) -> Any:
+            h = h * 0.5 + 0.25
+            return t + 1, h.sum(1) > 3.0, h
+
+        return hop.while_loop(cond_fn, body_fn, (0, torch.zeros(h.shape[0], dtype=torch.bool), h))
+
+
+@pytest.mark.parametrize("how", ["make_fx", "export", "strict export", "aot_eager", "inductor"])
+def test_an_int_carry_meets_a_tensor_in_the_condition(how: str) -> None:
+    # "Could not guard on data-dependent expression u1 < 5" in every traced path
+    model, example = _EarlyStop(), torch.zeros(2, 4)
+    if how == "make_fx":
+        traced: Any = make_fx(model, tracing_mode="symbolic")(example)
+    elif how.endswith("export"):
+        traced = roundtrip(torch.export.export(model, (example,), strict=how == "strict export")).module()
+    else:
+        torch._dynamo.reset()
+        traced = torch.compile(model, backend=how, fullgraph=True)
+    for h in (example, torch.full((2, 4), 5.0), torch.tensor([[0.0] * 4, [9.0] * 4])):
+        got, want = traced(h), model(h)
+        assert int(got[0]) == want[0]
+        torch.testing.assert_close(got[1:], want[1:])
