@@ -220,3 +220,46 @@ def test_check_without_eager_still_compares_with_the_reference() -> None:
 
     report = check(program, torch.randn(4), transforms=["fake", "jvp"])
     assert report.ran == ["jvp", "fake"]
+
+
+# --- the compiler bridge: the COMPILED transforms ------------------------------------------------
+
+
+def _counted(x: torch.Tensor) -> Any:
+    """An int carry, a cond and a scan: what the compiled paths must agree on."""
+    n, y = hop.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * 1.5), (0, x))
+    z = hop.cond(y.sum() > 0, lambda a: a.sin(), lambda a: a.cos(), (y,))
+    return n, z, hop.scan(lambda c, r: (c + r, c * r), z[0], z)
+
+
+@pytest.mark.parametrize("transform", ["compile_aot_eager", "compile_inductor", "export_strict", "aoti"])
+def test_compiled_transforms_pass_and_report(transform: str) -> None:
+    report = check(_counted, torch.randn(4, 3, dtype=torch.float64), transforms=("eager", transform))
+    assert report.ran == ["eager", transform]
+
+
+@pytest.mark.parametrize("transform", ["compile_aot_eager", "export_strict", "aoti"])
+def test_compiled_transforms_catch_a_compiled_value_that_differs(transform: str) -> None:
+    def differs(x: torch.Tensor) -> torch.Tensor:
+        scale = 2.0 if torch.compiler.is_compiling() else 1.0  # what eager computes differs
+        return hop.cond(x.sum() > 0, lambda a: a * scale, lambda a: a - scale, (x,))
+
+    with pytest.raises(CheckFailure, match=rf"{transform} at output"):
+        check(differs, torch.randn(3), transforms=("eager", transform))
+
+
+def test_compiled_transforms_skip_what_the_compiled_path_refuses_by_design() -> None:
+    def growing(x: torch.Tensor) -> torch.Tensor:  # Inductor keeps carries at a fixed size
+        return hop.while_loop(lambda v: v.shape[0] < 4, lambda v: torch.cat([v, v[:1]]), (x,))
+
+    report = check(growing, torch.randn(1), transforms=("eager", "compile_inductor"))
+    assert "CompileUnsupported" in report.skipped["compile_inductor"]
+
+
+def test_bundle_runs_many_programs_as_one() -> None:
+    x, y = torch.randn(3), torch.randn(2, 2)
+    fn, args = hop.testing.bundle([(lambda a: a.sin(), (x,)), (lambda a, b: a + b, (y, y))])
+    out = fn(*args)
+    assert len(args) == 3 and len(out) == 2
+    torch.testing.assert_close(out[0], x.sin())
+    torch.testing.assert_close(out[1], y + y)

@@ -3,8 +3,10 @@
 - :func:`reference`: a context in which every hop operator runs as its plain
   Python meaning (the oracle);
 - :func:`check`: a program against that oracle under eager, autograd,
-  gradcheck, jvp, vmap, fake tensors, make_fx and torch.export, returning a
-  :class:`Report` and raising :class:`CheckFailure` on the first mismatch;
+  gradcheck, jvp, vmap, fake tensors, make_fx and torch.export, and, opt-in
+  (``COMPILED``), torch.compile with aot_eager and Inductor, strict export and
+  AOTInductor, returning a :class:`Report` and raising :class:`CheckFailure` on
+  the first mismatch; :func:`bundle` makes many programs one, to compile once;
 - :mod:`hop.testing.programs`: random control-flow programs as data that print
   as Python source;
 - :mod:`hop.testing.strategies`: hypothesis strategies for tensors and programs
@@ -16,9 +18,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from hop.testing._check import TRANSFORMS, CheckFailure, Report, check, reference
+from hop.testing._check import COMPILED, TRANSFORMS, CheckFailure, Report, bundle, check, reference
 
-__all__ = ["TRANSFORMS", "CheckFailure", "Report", "check", "programs", "reference", "strategies"]
+__all__ = ["COMPILED", "TRANSFORMS", "CheckFailure", "Report", "bundle", "check", "programs", "reference", "strategies"]
 
 
 def __getattr__(name: str) -> Any:

@@ -23,13 +23,15 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from hop import _reference
 from hop._subgraph import flatten, leaf_paths, unflatten
-from hop.errors import HopTypeError, HopValueError, format_message
+from hop.errors import CompileUnsupported, HopTypeError, HopValueError, format_message
 
-__all__ = ["TRANSFORMS", "CheckFailure", "Report", "check", "reference"]
+__all__ = ["COMPILED", "TRANSFORMS", "CheckFailure", "Report", "bundle", "check", "reference"]
 
 Fn = Callable[..., Any]
 
 TRANSFORMS = ("eager", "autograd", "gradcheck", "jvp", "vmap", "fake", "make_fx_fake", "make_fx_symbolic", "export")
+# The compiler bridge, opt-in (each compiles: seconds per program, an AOTInductor build tens of seconds).
+COMPILED = ("compile_aot_eager", "compile_inductor", "export_strict", "aoti")
 _NAME = "testing.check"
 
 
@@ -95,6 +97,14 @@ LIMITATIONS: list[tuple[str, type[BaseException], str, str]] = [
 ]
 
 
+# What the compiled paths refuse with a clear error, by design (docs/compile.md, "Limits"):
+# a refusal is not a wrong result, so the transform does not apply.
+LIMITATIONS += [
+    (transform, CompileUnsupported, r".", "the compiled path refuses this program (hop's CompileUnsupported)")
+    for transform in COMPILED
+]
+
+
 def _first_line(error: BaseException) -> str:
     lines = str(error).splitlines()
     return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
@@ -147,7 +157,14 @@ def check(
             within their ranges); ``make_fx_fake`` / ``make_fx_symbolic`` (the
             graph runs and matches on ``args`` and on perturbed copies);
             ``export`` (``ep.module()`` and a ``torch.export.save``/``load``
-            round trip match).
+            round trip match); and, opt-in (``COMPILED``), the compiler bridge,
+            each on ``args`` and on perturbed copies that take other branches and
+            trip counts, forward and (for float inputs) gradients:
+            ``compile_aot_eager`` / ``compile_inductor`` (``torch.compile(fullgraph=True)``),
+            ``export_strict`` (``torch.export.export(strict=True)``), ``aoti``
+            (an AOTInductor package of the exported program, loaded and run; forward
+            only). A documented refusal (``hop.errors.CompileUnsupported``) skips the
+            transform; any other error, or a different value, is a failure.
         reference: the oracle; by default ``fn`` under :func:`reference`.
         skip: transforms known not to apply, each with the reason to record.
         rtol, atol: tolerances for ``torch.testing.assert_close`` (its dtype
@@ -167,7 +184,7 @@ def check(
     case = _Case(fn, ref, args, rtol, atol, batch_size, seed)
     report = Report()
     _outputs(case)
-    for name in TRANSFORMS:
+    for name in _CHECKS:
         if name not in transforms:
             continue
         if skip and name in skip:
@@ -195,10 +212,10 @@ def _check_arguments(fn: Any, transforms: Any, reference: Any, skip: Any) -> Non
             raise HopTypeError(format_message(_NAME, f"{role} must be callable, got {type(value).__name__}"), op=_NAME)
     if fn is None:
         raise HopTypeError(format_message(_NAME, "fn must be callable, got NoneType"), op=_NAME)
-    unknown = [t for t in (*transforms, *(skip or ())) if t not in TRANSFORMS]
+    unknown = [t for t in (*transforms, *(skip or ())) if t not in _CHECKS]
     if unknown:
         raise HopValueError(
-            format_message(_NAME, f"unknown transform {unknown[0]!r}", fix=f"Choose from {', '.join(TRANSFORMS)}."),
+            format_message(_NAME, f"unknown transform {unknown[0]!r}", fix=f"Choose from {', '.join(_CHECKS)}."),
             op=_NAME,
         )
 
@@ -353,27 +370,29 @@ def _float_outputs(out: Any) -> list[torch.Tensor]:
 
 
 def _check_autograd(case: _Case) -> None:
-    leaves, spec = _leaves(case)
+    leaves, _ = _leaves(case)
     if not any(map(_is_float, leaves)):
         raise _Skip("no floating-point tensor inputs")
     paths = [p for p, x in zip(leaf_paths(case.args, "args"), leaves, strict=True) if _is_float(x)]
-
-    def grads(fn: Fn) -> tuple[Any, ...]:
-        inputs = [x.detach().clone().requires_grad_() if _is_float(x) else x for x in leaves]
-        outs = _float_outputs(fn(*unflatten(inputs, spec)))
-        if not outs:
-            raise _Skip("no floating-point output depends on the inputs")
-        gen = case.generator(-1)
-        total = torch.stack([(o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum() for o in outs])
-        diff = [x for x in inputs if _is_float(x)]
-        got = torch.autograd.grad(total.sum(), diff, allow_unused=True)
-        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(diff, got, strict=True))
-
     with _running("autograd", reference=True):
-        want = grads(case.ref)
+        want = _grads(case, case.ref, case.args)
     with _running("autograd"):
-        got = grads(case.fn)
+        got = _grads(case, case.fn, case.args)
     _compare_tensors(case, "autograd", got, want, [f"grad of {p}" for p in paths])
+
+
+def _grads(case: _Case, fn: Fn, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Gradients w.r.t. the float leaves of ``args`` of the float outputs weighted by seeded cotangents."""
+    leaves, spec = flatten(args)
+    inputs = [x.detach().clone().requires_grad_() if _is_float(x) else x for x in leaves]
+    outs = _float_outputs(fn(*unflatten(inputs, spec)))
+    if not outs:
+        raise _Skip("no floating-point output depends on the inputs")
+    gen = case.generator(-1)
+    total = torch.stack([(o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum() for o in outs])
+    diff = [x for x in inputs if _is_float(x)]
+    got = torch.autograd.grad(total.sum(), diff, allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(diff, got, strict=True))
 
 
 def _gradcheck_error(fn: Fn, case: _Case) -> Exception | bool | None:
@@ -573,6 +592,102 @@ def _check_export(case: _Case) -> None:
             _compare(case, "export", got, want)
 
 
+# ---- the compiler bridge (COMPILED) ------------------------------------------------------
+
+
+def _check_forward_and_grads(case: _Case, transform: str, program: Fn, grads: bool = True) -> None:
+    """``program`` (a function of the tensor leaves) against the reference on every input, and its
+    gradients against the reference's where the inputs have float leaves."""
+    _, pick = _flat_program(case)
+    leaves, _ = _leaves(case)
+    float_paths = [f"grad of {p}" for p, x in zip(leaf_paths(case.args, "args"), leaves, strict=True) if _is_float(x)]
+    for args, want in _inputs(case):
+        with _running(transform):
+            got = program(*pick(args))
+        _compare(case, transform, got, want)
+        if not grads or not float_paths:
+            continue
+        try:
+            want_grads = _grads(case, case.ref, args)
+        except Exception:
+            continue  # no reference gradient here (checked by "autograd" when it has one)
+        with _running(transform):
+            got_grads = _grads(case, lambda *a: program(*pick(a)), args)
+        _compare_tensors(case, transform, got_grads, want_grads, float_paths)
+
+
+def _traceable_program(case: _Case) -> Fn:
+    """fn of the tensor leaves of the arguments, rebuilt with torch's Python pytree (Dynamo
+    traces it; hop's C++ pytree it cannot)."""
+    import torch.utils._pytree as py_pytree
+
+    leaves, spec = py_pytree.tree_flatten(case.args)
+    picked = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def on(*xs: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(picked, xs, strict=True):
+            full[i] = x
+        return case.fn(*py_pytree.tree_unflatten(full, spec))
+
+    return on
+
+
+def _check_compile(case: _Case, backend: str) -> None:
+    on = _traceable_program(case)
+    torch._dynamo.reset()  # a fresh cache: each program compiles anew, guards and all
+    compiled = torch.compile(on, backend=backend, fullgraph=True, dynamic=True)
+    _check_forward_and_grads(case, f"compile_{backend}", compiled)
+
+
+def _check_export_strict(case: _Case) -> None:
+    on, pick = _traceable_program(case), _flat_program(case)[1]
+    with _running("export_strict"):
+        ep = torch.export.export(_Program(on, case.fn), tuple(pick(case.args)), strict=True)
+        module = _roundtrip(ep).module()
+    _check_forward_and_grads(case, "export_strict", module, grads=False)
+
+
+def _check_aoti(case: _Case) -> None:
+    import tempfile
+
+    on, pick = _flat_program(case)
+    with _running("aoti"), tempfile.TemporaryDirectory() as tmp:
+        ep = torch.export.export(_Program(on, case.fn), tuple(pick(case.args)))
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp}/program.pt2")
+        package = torch._inductor.aoti_load_package(path)
+    _check_forward_and_grads(case, "aoti", lambda *xs: _as_reference(package(*xs), case.want), grads=False)
+
+
+def _as_reference(out: Any, like: Any) -> Any:
+    """An AOTInductor package returns ints as 0-dim tensors: read them back where the reference has ints."""
+    o_leaves, _ = flatten(out)
+    l_leaves, spec = flatten(like)
+    if len(o_leaves) != len(l_leaves):
+        return out
+    pairs = zip(o_leaves, l_leaves, strict=True)
+    fixed = [int(o) if isinstance(w, int) and isinstance(o, torch.Tensor) else o for o, w in pairs]
+    return unflatten(fixed, spec)
+
+
+def bundle(programs: Sequence[tuple[Fn, tuple[Any, ...]]]) -> tuple[Fn, tuple[Any, ...]]:
+    """Many ``(fn, args)`` as one program and its arguments, so that one compilation (one
+    AOTInductor build) checks them all: output ``k`` is program ``k``'s output.
+
+    ``check(*bundle(pairs), transforms=COMPILED)``.
+    """
+    counts = [len(args) for _, args in programs]
+
+    def bundled(*args: Any) -> tuple[Any, ...]:
+        out, start = [], 0
+        for (fn, _), n in zip(programs, counts, strict=True):
+            out.append(fn(*args[start : start + n]))
+            start += n
+        return tuple(out)
+
+    return bundled, tuple(a for _, args in programs for a in args)
+
+
 _CHECKS: dict[str, Callable[[_Case], None]] = {
     "eager": _check_eager,
     "autograd": _check_autograd,
@@ -583,4 +698,8 @@ _CHECKS: dict[str, Callable[[_Case], None]] = {
     "make_fx_fake": lambda case: _check_make_fx(case, "fake"),
     "make_fx_symbolic": lambda case: _check_make_fx(case, "symbolic"),
     "export": _check_export,
+    "compile_aot_eager": lambda case: _check_compile(case, "aot_eager"),
+    "compile_inductor": lambda case: _check_compile(case, "inductor"),
+    "export_strict": _check_export_strict,
+    "aoti": _check_aoti,
 }

@@ -35,6 +35,7 @@ __all__ = [
     "PREDICATES",
     "INDICES",
     "COMBINES",
+    "CONSTANTS",
     "Expr",
     "Var",
     "Apply",
@@ -103,12 +104,19 @@ UNARY: dict[str, tuple[Template, ...]] = {
         _T("(lambda t: t[..., :1].expand(t.shape) + t)({})", min_rank=1),
         _T("(lambda t: t.index_select(0, torch.zeros(t.shape[0], dtype=torch.long)) if t.shape[0] else t)({})", 1),
     ),
+    # plain tensors the program closes over (not inputs, parameters or buffers): CONSTANTS
+    "constant": (
+        _T("({} * SCALE)"),
+        _T("({} + SHIFT)"),
+    ),
     "data_dependent": (
         _T("(lambda t: t + t[t > 0].sum())({})", min_rank=1, data_dependent=True),
         _T("(lambda t: t * (t > 0).nonzero().shape[0])({})", data_dependent=True),
         _T("(lambda t: t.masked_fill(t < -0.5, 0.25))({})"),
     ),
 }
+# The module-level tensors "constant" templates read, by name: their source.
+CONSTANTS: dict[str, str] = {"SCALE": "torch.tensor(0.75)", "SHIFT": "torch.tensor(-0.25)"}
 # Two tensors of one shape.
 BINARY: tuple[Template, ...] = (_T("({} + {})"), _T("({} * {})"), _T("torch.maximum({}, {})"), _T("({} - {})"))
 # One-dimensional outputs of sizes that differ between branches (or depend on data).
@@ -213,7 +221,9 @@ def _let(name: str, value: Expr, body: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Cond(Expr):
     """``hop.cond(pred(o), true_fn, false_fn, (o,))``; with ``sides``, the branches also
-    return a 1-d tensor each (sizes may differ) and the node is a pair."""
+    return a 1-d tensor each (sizes may differ) and the node is a pair. With ``layout``,
+    the operand also feeds a ``torch.cat`` (a compiler may then lay it out inside the
+    cat's buffer: a strided operand of the cond)."""
 
     name: str
     pred: Template
@@ -221,6 +231,7 @@ class Cond(Expr):
     false_fn: Lambda
     operand: Expr
     sides: tuple[Template, Template] | None = None
+    layout: bool = False
 
     def source(self) -> str:
         t, f = self.true_fn, self.false_fn
@@ -229,7 +240,11 @@ class Cond(Expr):
             f_src = f.source(lambda body: f"({body}, {self.sides[1](f.params[0])})")  # type: ignore[index]
         else:
             t_src, f_src = t.source(), f.source()
-        return _let(self.name, self.operand, f"hop.cond({self.pred(self.name)}, {t_src}, {f_src}, ({self.name},))")
+        call = f"hop.cond({self.pred(self.name)}, {t_src}, {f_src}, ({self.name},))"
+        if self.layout:
+            n = self.name
+            call = f"({call} + torch.cat([{n}.unsqueeze(-1), {n}.unsqueeze(-1) * 2.0], -1)[..., 1])"
+        return _let(self.name, self.operand, call)
 
     def children(self) -> Iterator[Expr]:
         yield from (self.true_fn.body, self.false_fn.body, self.operand)
@@ -381,7 +396,8 @@ class Program:
             body = "{" + ", ".join(f"{n!r}: {o}" for n, o in zip(self.names, outs, strict=True)) + "}"
         else:
             body = "(" + "".join(f"{o}, " for o in outs) + ")"
-        return f"def program({', '.join(self.params)}):\n    return {body}\n"
+        constants = "".join(f"{name} = {value}\n" for name, value in CONSTANTS.items() if name in body)
+        return f"{constants}def program({', '.join(self.params)}):\n    return {body}\n"
 
     def __repr__(self) -> str:
         return self.to_source()

@@ -23,7 +23,7 @@ from hop.testing import programs as P
 __all__ = ["OPERATORS", "KINDS", "Case", "tensors", "shapes", "programs", "cases"]
 
 OPERATORS = ("cond", "switch", "while_loop", "fori_loop", "map", "scan", "associative_scan")
-KINDS = tuple(P.UNARY)  # pointwise, reduction, matmul, view, indexing, data_dependent
+KINDS = tuple(P.UNARY)  # pointwise, reduction, matmul, view, indexing, constant, data_dependent
 FLOATS = (torch.float32, torch.float64)
 Shape = tuple[int, ...]
 COUNTER: Shape = (-1,)  # the shape of a loop counter in scope: no tensor expression uses it
@@ -112,7 +112,7 @@ class _Draw:
         name = self.fresh("o")
         operand = self.expr(scope, shape, depth)
         t, f = self.one(scope, shape, depth), self.one(scope, shape, depth)
-        return P.Cond(name, self.pick(P.PREDICATES), t, f, operand)
+        return P.Cond(name, self.pick(P.PREDICATES), t, f, operand, layout=self.draw(st.booleans()))
 
     def switch(self, scope: list[tuple[str, Shape]], shape: Shape, depth: int) -> P.Expr:
         name = self.fresh("o")
@@ -123,7 +123,7 @@ class _Draw:
     def while_loop(self, scope: list[tuple[str, Shape]], shape: Shape, depth: int) -> P.Expr:
         init = self.expr(scope, shape, depth)
         tensor_counter = self.draw(st.booleans())
-        pred = self.pick([None, *P.PREDICATES[:2]]) if tensor_counter else None
+        pred = self.pick([None, *P.PREDICATES[:2]])  # a tensor condition meets an int counter too
         body = self.body(scope, [(self.fresh("i"), COUNTER), (self.fresh("a"), shape)], depth)
         return P.WhileLoop(body, init, self.draw(st.integers(0, 3)), tensor_counter, pred)
 
