@@ -410,7 +410,7 @@ def share_lifted(subgraphs: Sequence[Subgraph]) -> list[torch.fx.Proxy]:
                 ordered.append(sub.lifted[parent].node)
                 continue
             with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
-                node = graph.placeholder(parent.node.name)
+                node = graph.placeholder(_unused_input_name(graph, parent.node.name))
             node.meta = dict(parent.node.meta)
             ordered.append(node)
         anchor = next(n for n in graph.nodes if n.op != "placeholder")
@@ -418,6 +418,18 @@ def share_lifted(subgraphs: Sequence[Subgraph]) -> list[torch.fx.Proxy]:
             anchor.prepend(node)
         graph.lint()
     return list(union)
+
+
+def _unused_input_name(graph: torch.fx.Graph, name: str) -> str:
+    """``name``, or ``name_<k>`` if an input of ``graph`` has it: FX names a placeholder's
+    argument by its target, so two equal targets make code that does not compile (a
+    branch that returns a tensor it closes over which is also an operand)."""
+    taken = {n.target for n in graph.nodes if n.op == "placeholder"}
+    fresh, k = name, 0
+    while fresh in taken:
+        k += 1
+        fresh = f"{name}_{k}"
+    return fresh
 
 
 def bare_single_output(graph: torch.fx.Graph, *, tensors_only: bool = True) -> None:

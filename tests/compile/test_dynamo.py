@@ -469,3 +469,15 @@ def test_vmap_of_a_loop_with_int_carries_breaks_the_graph(loss: Fn) -> None:
         compiled(per_row, "aot_eager")(X)
     torch._dynamo.reset()
     assert_close(torch.compile(per_row, backend="aot_eager")(X), per_row(X))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_branch_returning_a_closed_over_tensor_that_is_also_the_operand(backend: str) -> None:
+    # found by the compiled property tests: the other branch was given a second input of the
+    # same name ("SyntaxError: duplicate argument 'l_x_' in function definition")
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return hop.cond(x.sum() > 0, lambda a: y * 2, lambda a: x, (x,))
+
+    g = compiled(f, backend)
+    for x in (X, -X):
+        assert_close(g(x, X * 3), f(x, X * 3))
