@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -168,6 +169,29 @@ def place(values: Sequence[Any], at: Sequence[int], new: Sequence[Any]) -> list[
     for i, v in zip(at, new, strict=True):
         full[i] = v
     return full
+
+
+@contextmanager
+def torch_ops_without_rules(op: str, role: str) -> Iterator[None]:
+    """Run a torch.func transform of ``role``: one of torch's own higher-order operators
+    inside it (``torch.cond`` in a hop body) has no rule for the transform, and torch's
+    dispatcher reports that as a bare ``KeyError: <TransformType.Grad: 2>``."""
+    from torch._C._functorch import TransformType
+
+    try:
+        yield
+    except KeyError as e:
+        if not (e.args and isinstance(e.args[0], TransformType)):
+            raise
+        from hop.errors import HopRuntimeError, format_message
+
+        transform = e.args[0].name.lower()
+        what = (
+            f"{role} calls one of torch's own control-flow operators (torch.cond, torch.ops.higher_order.*), "
+            f"which has no rule for the torch.func {transform} transform hop differentiates {role} with"
+        )
+        fix = f"Use hop's operator in {role} (hop.cond for torch.cond, ...), or differentiate it outside torch.compile."
+        raise HopRuntimeError(format_message(op, what, fix=fix), op=op, role=role) from e
 
 
 def jvp(fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:

@@ -61,7 +61,7 @@ class HookedModule(NotValidatable):
 
 
 # Errors that mean "this callable cannot run on fake tensors", not "it is wrong".
-CANNOT_FAKE = (
+CANNOT_FAKE: tuple[type[Exception], ...] = (
     NotValidatable,
     DataDependentOutputException,
     DynamicOutputShapeException,

@@ -72,9 +72,10 @@ class _BranchingVariable(HopVariable):
                 _add_empty_output(tx, s.graph)
             else:
                 bare_single_output(s.graph)
-        lifted = share_lifted(subs)
+        inputs = [leaf.as_proxy() for leaf in kept]
+        lifted = share_lifted(subs, inputs)
         graphs = tuple(install(tx, f"hop_{name}_branch{k}", s.graph) for k, s in enumerate(subs))
-        args = (*[leaf.as_proxy() for leaf in kept], *lifted)
+        args = (*inputs, *lifted)
         out = emit(tx, self.value, self.node_args(sel.as_proxy(), graphs, args))
         return unflatten(tx, output_items(out)[:n], subs[0].spec)
 

@@ -395,10 +395,17 @@ def drop_constant_inputs(graph: torch.fx.Graph, leaves: Sequence[VT]) -> list[VT
     return kept
 
 
-def share_lifted(subgraphs: Sequence[Subgraph]) -> list[torch.fx.Proxy]:
-    """Give every subgraph the same lifted inputs, in one order; their parent values."""
+def share_lifted(subgraphs: Sequence[Subgraph], inputs: Sequence[torch.fx.Proxy] = ()) -> list[torch.fx.Proxy]:
+    """Give every subgraph the same lifted inputs, in one order; their parent values.
+
+    ``inputs``: the parent values of each subgraph's own inputs, when all take the same.
+    A lifted value that is one of them (a branch returning a tensor it closes over that
+    is also an operand) is read from that input instead: a node taking one value twice
+    gets two subgraph inputs of one name from torch.export's placeholder naming."""
+    own_of = {p.node: k for k, p in enumerate(inputs)}
     union: dict[torch.fx.Proxy, None] = {}
     for sub in subgraphs:
+        _read_lifted_inputs(sub, own_of)
         union.update(dict.fromkeys(sub.lifted))
     for sub in subgraphs:
         graph = sub.graph
@@ -418,6 +425,19 @@ def share_lifted(subgraphs: Sequence[Subgraph]) -> list[torch.fx.Proxy]:
             anchor.prepend(node)
         graph.lint()
     return list(union)
+
+
+def _read_lifted_inputs(sub: Subgraph, own_of: dict[torch.fx.Node, int]) -> None:
+    """Drop ``sub``'s lifted inputs whose parent value is one of its own inputs (``own_of``:
+    parent node -> position), its uses reading that input instead."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    own = placeholders[: len(placeholders) - len(sub.lifted)]
+    if len(own) != len(own_of):
+        return
+    for parent in [p for p in sub.lifted if p.node in own_of]:
+        lifted = sub.lifted.pop(parent).node
+        lifted.replace_all_uses_with(own[own_of[parent.node]])
+        sub.graph.erase_node(lifted)
 
 
 def _unused_input_name(graph: torch.fx.Graph, name: str) -> str:

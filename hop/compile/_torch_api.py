@@ -85,6 +85,7 @@ PRIVATE: tuple[Private, ...] = (
         "torch._C._dynamo.eval_frame._FrameExecStrategy",
         "torch._C._dynamo.eval_frame.set_code_exec_strategy",
         "torch._dynamo.exc.unimplemented",
+        "torch._dynamo.exc.UncapturedHigherOrderOpError",
         f"{_DYNAMO_VARIABLES}.higher_order_ops",
         f"{_DYNAMO_VARIABLES}.higher_order_ops._hop_name_to_variable_class",
         f"{_DYNAMO_VARIABLES}.higher_order_ops.BaseHOPVariable",
@@ -113,6 +114,7 @@ PRIVATE: tuple[Private, ...] = (
         "torch._dynamo.output_graph.SubgraphTracer.create_graph_input",
         "torch.fx.experimental.symbolic_shapes._constrain_range_for_size",
         "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols",
+        "torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode",
     ),
     *_listed(
         "hop.compile._dynamo_capture (fake propagation errors, see fake_propagation_errors)",

@@ -78,6 +78,20 @@ def _install(dynamo: ModuleType) -> None:
         table[name] = _Entry(table.get(name), handlers)
     higher_order_ops._hop_name_to_variable_class = _Table(table, handlers)
     _run_ops_outside_dynamo()
+    _torch_control_flow_is_not_fakeable()
+
+
+def _torch_control_flow_is_not_fakeable() -> None:
+    """torch's own cond / while_loop / scan / map run eagerly by compiling themselves with
+    Dynamo, which cannot trace hop's validation (a fake run under a torch-function mode)
+    and raises ``UncapturedHigherOrderOpError``. A callable that calls them is then
+    checked by its first real call, as one that cannot run on fake tensors."""
+    from torch._dynamo.exc import UncapturedHigherOrderOpError
+
+    from hop import _validation
+
+    if UncapturedHigherOrderOpError not in _validation.CANNOT_FAKE:
+        _validation.CANNOT_FAKE = (*_validation.CANNOT_FAKE, UncapturedHigherOrderOpError)
 
 
 def _run_ops_outside_dynamo() -> None:

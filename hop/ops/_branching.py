@@ -526,7 +526,7 @@ def autograd(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[
     return _as_node(b, sel, branches, operands)
 
 
-def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
+def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int, name: str) -> Fn:
     """``(*operands, *cotangents) -> grads of the differentiable operands``."""
     diff = [i for i, x in enumerate(operands) if differentiable(x)]
 
@@ -539,9 +539,10 @@ def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
             kept[:] = [i for i, o in enumerate(out) if differentiable(o)]
             return tuple(out[i] for i in kept) or (torch.zeros(()),)
 
-        out, vjp_fn = torch.func.vjp(on_diff, *[primals[i] for i in diff])[:2]
-        cts = tuple(cts[i] for i in kept) or (None,)
-        grads = vjp_fn(tuple(ct if ct is not None else torch.zeros_like(o) for o, ct in zip(out, cts, strict=True)))
+        with _transforms.torch_ops_without_rules(name, "a branch"):
+            out, vjp_fn = torch.func.vjp(on_diff, *[primals[i] for i in diff])[:2]
+            cts = tuple(cts[i] for i in kept) or (None,)
+            grads = vjp_fn(tuple(ct if ct is not None else torch.zeros_like(o) for o, ct in zip(out, cts, strict=True)))
         return grads[0] if len(grads) == 1 else tuple(grads)
 
     vjp_branch.__qualname__ = f"vjp_{getattr(fn, '__qualname__', 'branch')}"
@@ -589,7 +590,7 @@ class _BranchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         sel, operands = _BranchFunction._inputs(ctx)
-        bw = [_vjp_branch(fn, operands, ctx.n) for fn in ctx.branches]
+        bw = [_vjp_branch(fn, operands, ctx.n, ctx.b.name) for fn in ctx.branches]
         out = as_tuple(ctx.b.call(sel, bw, (*operands, *grads)))
         it = iter(out)
         return (None, None, None, *[next(it) if differentiable(x) else None for x in operands])

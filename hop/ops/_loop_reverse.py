@@ -323,7 +323,8 @@ def _recompute(
             return tuple(out[i] for i in d_carry)
 
         primals = (*[before[i] for i in d_carry], *[ext[i] for i in d_extra])
-        pulled = torch.func.vjp(one_step, *primals)[1](tuple(gs[:m]))
+        with _transforms.torch_ops_without_rules("while_loop", "body_fn"):
+            pulled = torch.func.vjp(one_step, *primals)[1](tuple(gs[:m]))
         return (k - 1, *pulled[:m], *[a + b for a, b in zip(gs[m:], pulled[m:], strict=True)])
 
     init = (trips, *[g_carry[i] for i in d_carry], *[torch.zeros_like(extra[i]) for i in d_extra])

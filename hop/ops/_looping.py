@@ -792,7 +792,8 @@ def _vjp_body(body: Fn, counts: tuple[int, int, int], dc: list[int], dx: list[in
             return (*[out[i] for i in dc], *[out[nc + j] for j in dy])
 
         primals = [*[carry[i] for i in dc], *[x[i] for i in dx], *[additional[i] for i in da]]
-        grads = torch.func.vjp(on_diff, *primals)[1]((*g_carry, *g_y))
+        with _transforms.torch_ops_without_rules("scan", "the body"):
+            grads = torch.func.vjp(on_diff, *primals)[1]((*g_carry, *g_y))
         g_x, g_add_step = grads[len(dc) : len(dc) + len(dx)], grads[len(dc) + len(dx) :]
         return (*grads[: len(dc)], *[a + b for a, b in zip(g_add, g_add_step, strict=True)], *g_x)
 

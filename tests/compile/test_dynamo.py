@@ -481,3 +481,15 @@ def test_a_branch_returning_a_closed_over_tensor_that_is_also_the_operand(backen
     g = compiled(f, backend)
     for x in (X, -X):
         assert_close(g(x, X * 3), f(x, X * 3))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_branch_returning_a_closed_over_operand_exports(strict: bool) -> None:
+    # strict export named both subgraph inputs after the one value the node took twice
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return hop.cond(x.sum() > 0, lambda a: y * 2, lambda a: x, (x,))
+
+    ep = torch.export.export(M(), (X, X * 3), strict=strict)
+    for x in (X, -X):
+        assert_close(ep.module()(x, X * 3), M()(x, X * 3))
