@@ -818,10 +818,16 @@ def clone_aliases(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
 # is a check: ``_linalg_check_errors`` returns nothing, writes nothing and raises
 # on a failed factorization; the graph keeps it (fx and Inductor treat an op with
 # a registered effect as impure) after the op whose ``info`` it reads, so it
-# raises as in eager. Without the token, only its order relative to the checks
-# and prints outside the body is free, which decides at most which error is
-# reported first. Any other effect (a print, a call on a script object) would
-# lose its order silently: it is refused with a message instead.
+# raises as in eager. Without the token, only its order relative to effects
+# outside the body is free: at most, which of two failing checks reports first, or
+# whether a print placed after the operator runs before the check raises. Any
+# other effect (a print, a call on a script object) would lose its order
+# silently: it is refused with a message instead, by Dynamo's capture of a body
+# (hop.compile._dynamo_capture.speculate) and by functionalization.
+#
+# An op reaches this mode as the caller wrote it (``linalg_inv``); the check is
+# called by its composite kernel. The mode decomposes what the FunctionalTensorMode
+# would (asking that mode's ``_can_decompose``), so the check meets it too.
 
 CHECK_EFFECTS: frozenset[str] = frozenset({"aten::_linalg_check_errors"})
 """Ops whose registered effect only raises on bad input: inside a body, they need no token."""

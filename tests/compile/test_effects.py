@@ -118,6 +118,23 @@ def scan_twin(a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.stack(ys) + c
 
 
+def nested_model(a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A cond inside a while_loop's body, each with its own check."""
+
+    def body(i: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v = hop.cond(v.sum() > 0, lambda m, w: torch.linalg.inv(m) @ w, lambda m, w: w.sin(), (a, v))
+        return i + 1, torch.linalg.solve(a, v)
+
+    return hop.while_loop(lambda i, v: i < 2, body, (torch.zeros((), dtype=torch.int64), y))[1]
+
+
+def nested_twin(a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    for _ in range(2):
+        y = torch.linalg.inv(a) @ y if y.sum() > 0 else y.sin()
+        y = torch.linalg.solve(a, y)
+    return y
+
+
 MODELS: dict[str, tuple[Fn, Fn]] = {
     "cond": (cond_model, cond_twin),
     "switch": (switch_model, switch_twin),
@@ -125,6 +142,7 @@ MODELS: dict[str, tuple[Fn, Fn]] = {
     "fori_loop": (fori_model, fori_twin),
     "map": (map_model, map_twin),
     "scan": (scan_model, scan_twin),
+    "nested": (nested_model, nested_twin),
 }
 
 
@@ -191,11 +209,14 @@ def test_compile_inductor(name: str) -> None:
     assert_all_close(grads(compiled, a, y), grads(model, a, y))
 
 
-def test_compiled_checks_still_raise() -> None:
+@pytest.mark.parametrize(("backend", "name"), [("aot_eager", "cond"), ("inductor", "fori_loop")])
+def test_compiled_checks_still_raise(backend: str, name: str) -> None:
     """The error check is kept in the body: a singular matrix fails as in eager."""
-    _, y = inputs()
+    model, _ = MODELS[name]
+    a, y = inputs()
     torch._dynamo.reset()
-    compiled = torch.compile(cond_model, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    assert_all_close(compiled(a, y), model(a, y))
     with pytest.raises(torch.linalg.LinAlgError):
         compiled(torch.zeros(3, 3, dtype=torch.float64), y)
 
@@ -218,6 +239,9 @@ def test_export(name: str, strict: bool) -> None:
         torch.export.save(program, buffer)
         buffer.seek(0)
         assert_all_close(torch.export.load(buffer).module()(a, y), want)
+    if name in ("fori_loop", "map"):  # a body that factors ``a`` whatever the data
+        with pytest.raises(torch.linalg.LinAlgError):
+            decomposed.module()(torch.zeros(3, 3, dtype=torch.float64), y)
 
 
 @pytest.mark.parametrize("name", ["cond", "while_loop"])
