@@ -10,7 +10,9 @@
   tracer's graph with its subgraphs as get_attr submodules;
 - effects: :func:`find_mutations_and_aliases` reports the inputs a traced
   subgraph writes and the outputs that alias its inputs;
-  :func:`clone_aliases` clones outputs that share storage with inputs.
+  :func:`clone_aliases` clones outputs that share storage with inputs;
+  :func:`functionalize_body` functionalizes a callable for a functionalize rule,
+  keeping torch's effect tokens out of it (Note [effect tokens stay outside bodies]).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.utils._cxx_pytree as _pytree  # optree-backed: ~5x faster than _pyt
 import torch.utils._pytree as py_pytree
 
 from hop import _observe
-from hop.errors import OutputMismatchError, format_message
+from hop.errors import CompileUnsupported, OutputMismatchError, format_message
 
 __all__ = [
     "TreeSpec",
@@ -51,6 +53,10 @@ __all__ = [
     "find_mutations_and_aliases",
     "clone_aliases",
     "clone_aliased_outputs",
+    "functionalize_body",
+    "effect_name",
+    "untokened_effect",
+    "CHECK_EFFECTS",
 ]
 
 TreeSpec = Any  # a py or cxx pytree spec; both support equality and unflatten
@@ -793,3 +799,141 @@ def clone_aliases(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
             seen.add(s)
         result.append(o)
     return result
+
+
+# Note [effect tokens stay outside bodies]
+# torch registers some ops as having an ordered side effect (``aten::_print``,
+# ``aten::_linalg_check_errors``, which ``torch.linalg.solve``/``inv``/``cholesky``
+# call). Once functionalized (AOTAutograd, ``run_decompositions``), torch threads
+# them on an effect token held by the FunctionalTensorMode: the op becomes
+# ``with_effects(token, op, ...)``, and the new token replaces the mode's. Run in a
+# hop body, that token belongs to no graph: the outer token is read inside the
+# subgraph (lifted as an operand), the body's new token is read outside it (a
+# constant made in the subgraph: "lifted_tensor_0 is not in the constants
+# dictionary"), and a token first met in a backward body becomes a
+# ``tangents_token`` placeholder of the subgraph, which hop never passes.
+#
+# hop's nodes take no token, so inside a body an effectful op is recorded as the
+# plain op, past the FunctionalTensorMode. That is right only for an effect that
+# is a check: ``_linalg_check_errors`` returns nothing, writes nothing and raises
+# on a failed factorization; the graph keeps it (fx and Inductor treat an op with
+# a registered effect as impure) after the op whose ``info`` it reads, so it
+# raises as in eager. Without the token, only its order relative to effects
+# outside the body is free: at most, which of two failing checks reports first, or
+# whether a print placed after the operator runs before the check raises. Any
+# other effect (a print, a call on a script object) would lose its order
+# silently: it is refused with a message instead, by Dynamo's capture of a body
+# (hop.compile._dynamo_capture.speculate) and by functionalization.
+#
+# An op reaches this mode as the caller wrote it (``linalg_inv``); the check is
+# called by its composite kernel. The mode decomposes what the FunctionalTensorMode
+# would (asking that mode's ``_can_decompose``), so the check meets it too.
+
+CHECK_EFFECTS: frozenset[str] = frozenset({"aten::_linalg_check_errors"})
+"""Ops whose registered effect only raises on bad input: inside a body, they need no token."""
+
+
+def effect_name(func: Any) -> str | None:
+    """``"aten::_print"`` for an op with a registered effect (an overload, a packet
+    one of whose overloads has it, or a higher-order operator), else None."""
+    from torch._higher_order_ops.effects import has_effects
+
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        overloads = (getattr(func, name) for name in func.overloads())  # type: ignore[no-untyped-call]
+        return next((n for n in map(effect_name, overloads) if n is not None), None)
+    if not has_effects(func):
+        return None
+    if isinstance(func, torch._ops.OpOverload):
+        return str(func._schema.name)
+    return f"{func.namespace}::{func.name()}"
+
+
+def untokened_effect(graph: torch.fx.Graph) -> str | None:
+    """The first effectful op of ``graph`` that a body cannot run without its token
+    (Note [effect tokens stay outside bodies]), or None."""
+    for node in graph.nodes:
+        if node.op == "call_function":
+            name = effect_name(node.target)
+            if name is not None and name not in CHECK_EFFECTS:
+                return name
+    return None
+
+
+class _UntokenedChecks(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Runs above a body's FunctionalTensorMode: Note [effect tokens stay outside bodies]."""
+
+    supports_higher_order_operators = True  # nested operators pass through, to their own rules
+
+    def __init__(self, ctx: Any, op: str, role: str, fn: Callable[..., Any]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._ctx, self._op, self._role, self._fn = ctx, op, role, fn
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = effect_name(func)
+        if name is None:
+            out = self._decomposed(func, args, kwargs)
+            return func(*args, **kwargs) if out is NotImplemented else out
+        if name not in CHECK_EFFECTS:
+            raise self._refused(name)
+        from torch.utils._python_dispatch import _pop_mode_temporarily
+
+        plain_args, plain_kwargs = self._ctx.unwrap_tensors((args, kwargs))
+        with _pop_mode_temporarily(torch._C._TorchDispatchModeKey.FUNCTIONAL):  # type: ignore[arg-type]
+            out = func(*plain_args, **plain_kwargs)
+        return self._ctx.wrap_tensors(out)
+
+    def _decomposed(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """``func`` decomposed here where the FunctionalTensorMode would decompose it:
+        a composite's own effectful calls (``linalg_inv`` checks ``linalg_inv_ex``'s
+        ``info``) then pass this mode too, not only the FunctionalTensorMode."""
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        if (
+            not isinstance(func, torch._ops.OpOverload)
+            or func in FunctionalTensor.metadata_fns
+            or not torch._C._dispatch_has_kernel(func.name())  # type: ignore[no-untyped-call]
+            or not self._ctx.mode._can_decompose(func, args, kwargs)
+        ):
+            return NotImplemented
+        with self:
+            return func.decompose(*args, **kwargs)
+
+    def _where(self) -> str:
+        """`` (file.py:12)`` of the user's callable; nothing for one Dynamo traced, whose source is lost."""
+        fn = self._fn
+        while hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        return "" if isinstance(fn, torch.fx.GraphModule) else f" ({describe_fn(fn)})"
+
+    def _refused(self, name: str) -> Exception:
+        return CompileUnsupported(
+            format_message(
+                self._op,
+                f"{self._role}{self._where()} calls {name}, an op with an ordered side effect; "
+                "hop's subgraphs carry no effect token, so its order could not be kept once functionalized "
+                "(torch.compile, run_decompositions)",
+                fix="Call it outside the operator, or run the program eagerly.",
+            ),
+            op=self._op,
+            role=self._role,
+        )
+
+
+def functionalize_body(ctx: Any, fn: Callable[..., Any], op: str, role: str) -> Callable[..., Any]:
+    """``ctx.functionalize(fn)`` for the functionalize rule of ``op``, whose callable
+    ``role`` is ``fn``: under torch's Python functionalization (the one that threads
+    effect tokens), effectful ops inside ``fn`` take no token (Note [effect tokens
+    stay outside bodies]); C++ functionalization threads none."""
+    from torch._subclasses.functional_tensor import PythonFunctionalizeAPI
+
+    body = fn
+    if isinstance(ctx, PythonFunctionalizeAPI):
+
+        def body(*args: Any, **kwargs: Any) -> Any:
+            with _UntokenedChecks(ctx, op, role, fn):
+                return fn(*args, **kwargs)
+
+        body.__wrapped__ = fn  # type: ignore[attr-defined]
+    functionalized: Callable[..., Any] = ctx.functionalize(body)
+    return functionalized

@@ -38,7 +38,7 @@ from torch._dynamo.variables.lazy import LazyVariableTracker
 from torch._dynamo.variables.lists import BaseListVariable
 from torch._dynamo.variables.tensor import SymNodeVariable
 
-from hop import _observe
+from hop import _observe, _subgraph
 from hop._transforms import DYNAMO_CALL
 from hop.compile._torch_api import fake_propagation_errors
 from hop.errors import CompileUnsupported, HopError, format_message
@@ -365,6 +365,13 @@ def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgra
             name,
             f"{role} writing one of its inputs in place",
             fix=f"Return the new value from {role} instead of writing the input.",
+        )
+    effect = _subgraph.untokened_effect(graph)
+    if effect is not None:
+        raise unsupported(
+            name,
+            f"{role} calling {effect}, an op with an ordered side effect that hop's subgraphs cannot order,",
+            fix=f"Call {effect} outside the operator, or outside the compiled function.",
         )
     _unbatch_placeholders(graph)
     return Subgraph(graph, dict(lifted), items(tx, out), cast(VT, spec.treespec))  # a variable, despite its annotation

@@ -709,7 +709,11 @@ def functionalize(b: Branching, ctx: Any, sel: Any, branches: Sequence[Fn], oper
     sel_u = ctx.unwrap_tensors(sel) if isinstance(sel, torch.Tensor) else sel
     unwrapped = ctx.unwrap_tensors(list(operands))
     with ctx.redispatch_to_next():
-        out = b.call(sel_u, [ctx.functionalize(fn) for fn in branches], unwrapped)
+        bodies = [
+            _subgraph.functionalize_body(ctx, fn, b.name, role)
+            for fn, role in zip(branches, b.roles(len(branches)), strict=True)
+        ]
+        out = b.call(sel_u, bodies, unwrapped)
     return ctx.wrap_tensors(out)
 
 

@@ -596,7 +596,7 @@ def functionalize(
     """Functionalize the body and call the op on the unwrapped operands."""
     init_u, xs_u, add_u = (ctx.unwrap_tensors(list(v)) for v in (init, xs, additional))
     with ctx.redispatch_to_next():
-        out = L.call(ctx.functionalize(body), init_u, xs_u, add_u, reverse)
+        out = L.call(_subgraph.functionalize_body(ctx, body, L.name, L.role), init_u, xs_u, add_u, reverse)
     return ctx.wrap_tensors(out)
 
 

@@ -245,7 +245,8 @@ def associative_scan_functionalize(
 ) -> Any:
     xs_u, add_u = ctx.unwrap_tensors(list(xs)), ctx.unwrap_tensors(list(additional_inputs))
     with ctx.redispatch_to_next():
-        out = associative_scan_op(ctx.functionalize(combine_fn), tuple(xs_u), tuple(add_u), combine_mode)
+        combine = _subgraph.functionalize_body(ctx, combine_fn, _NAME, "combine_fn")
+        out = associative_scan_op(combine, tuple(xs_u), tuple(add_u), combine_mode)
     return ctx.wrap_tensors(out)
 
 

@@ -401,7 +401,9 @@ def while_loop_functionalize(
 ) -> Any:
     carried, extra = ctx.unwrap_tensors(list(carried_inputs)), ctx.unwrap_tensors(list(additional_inputs))
     with ctx.redispatch_to_next():
-        out = while_loop_op(ctx.functionalize(cond_fn), ctx.functionalize(body_fn), tuple(carried), tuple(extra))
+        cond = _subgraph.functionalize_body(ctx, cond_fn, _NAME, "cond_fn")
+        body = _subgraph.functionalize_body(ctx, body_fn, _NAME, "body_fn")
+        out = while_loop_op(cond, body, tuple(carried), tuple(extra))
     return ctx.wrap_tensors(out)
 
 
