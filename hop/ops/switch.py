@@ -289,6 +289,7 @@ def switch_proxy(mode: ProxyTorchDispatchMode, index: Any, operands: Sequence[An
             with unset_fake_temporarily():  # a real value: read it outside the fake mode
                 _index(known, n)  # out of range: a HopValueError now, as in eager (not the assert below)
         with mode:  # recorded in the graph: the exported program checks it at run time
-            ok = ((raw >= 0) & (raw < n)).all()
+            ok = (raw >= 0) & (raw < n)
+            ok = ok if raw is index else ok.all()  # a batch: every element
             torch._assert_async(ok, f"hop.switch: index out of range for {n} branches")
     return br.proxy(SWITCH, mode, index, branches, operands)

@@ -280,6 +280,11 @@ def _constant_selectors(gm: torch.fx.GraphModule, picks: list[int]) -> torch.fx.
     return gm
 
 
+def _traced(fn: Any, case: st.Case) -> torch.fx.GraphModule:
+    """A drawn program traced with fake tensors; the constant tensors it closes over stay real."""
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*case.args)
+
+
 @settings(
     max_examples=max(1, settings.default.max_examples // 3), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -289,8 +294,8 @@ def _constant_selectors(gm: torch.fx.GraphModule, picks: list[int]) -> torch.fx.
 )
 def test_optimize_agrees_on_random_programs(case: st.Case, picks: list[int]) -> None:
     fn = case.program.compile()
-    gm = make_fx(fn, tracing_mode="fake")(*case.args)
-    constant = _constant_selectors(make_fx(fn, tracing_mode="fake")(*case.args), picks)
+    gm = _traced(fn, case)
+    constant = _constant_selectors(_traced(fn, case), picks)
     for program in (gm, constant):
         opt = optimize(program)
         assert work(opt) <= work(program)  # hoisting adds placeholders, unrolling views: never computations
@@ -321,7 +326,7 @@ def test_passes_agree_under_every_transform(case: st.Case, picks: list[int], gra
     """hop.testing.check with the program before the pass as the oracle: the program after
     it agrees in eager, under autograd, jvp, vmap, fake tensors, make_fx and torch.export."""
     fn = case.program.compile()
-    program = _constant_selectors(make_fx(fn, tracing_mode="fake")(*case.args), picks)
+    program = _constant_selectors(_traced(fn, case), picks)
     skip = dict(case.skips())
     if _has_asserts(program):  # a switch's range assert: torch has no batching rule for it
         skip["vmap"] = "aten._assert_async has no batching rule"
