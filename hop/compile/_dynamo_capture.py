@@ -360,6 +360,18 @@ def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgra
             fix=f"Keep {role} traceable (no Python branching on tensor values, no I/O), or call the operator "
             "outside the compiled function.",
         ) from e
+    except RuntimeError as e:
+        # Dynamo lifts a tensor that requires grad (a module parameter) into the subgraph
+        # with requires_grad_(), which functorch forbids inside its transforms: strict
+        # export of torch.vmap over the operator (torch's own cond fails alike)
+        if "inside of a function being transformed by a functorch transform" not in str(e):
+            raise
+        raise unsupported(
+            name,
+            f"{role}, which reads a tensor that requires grad (a module parameter) under torch.vmap,",
+            fix="Export without strict=True (non-strict export, the default, captures it), or pass the "
+            "parameters to the operator as operands.",
+        ) from e
     if getattr(graph, "_dynamo_mutated_input_indices", None):
         raise unsupported(
             name,

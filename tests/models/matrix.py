@@ -63,8 +63,14 @@ def export(model: torch.nn.Module, example: Case, strict: bool, dynamic_shapes: 
     return torch.export.load(buffer)
 
 
-def check_export(model: torch.nn.Module, example: Case, cases: Sequence[Case], dynamic_shapes: Any = None) -> None:
-    for strict in (False, True):
+def check_export(
+    model: torch.nn.Module,
+    example: Case,
+    cases: Sequence[Case],
+    dynamic_shapes: Any = None,
+    strict_modes: Sequence[bool] = (False, True),
+) -> None:
+    for strict in strict_modes:
         ep = export(model, example, strict, dynamic_shapes)
         decomposed = ep.run_decompositions()
         for k, case in enumerate(cases):

@@ -1,0 +1,94 @@
+"""Greedy decoding with early stop: a while_loop whose condition mixes an int step
+counter with a tensor 'done' mask (``(~done).any() & (t < max_len)``), writing each
+step's token into a fixed-size buffer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from matrix import check_aoti, check_compile, check_export
+
+import hop
+
+EOS, MAX_LEN, VOCAB, HIDDEN = 0, 5, 7, 6
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.cell = torch.nn.Linear(2 * HIDDEN, HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def step(self, h: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.cell(torch.cat([h, self.embed(token)], -1)))
+        return h, self.out(h).argmax(-1)
+
+    def forward(self, h: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def cond_fn(
+            t: int, done: torch.Tensor, h: torch.Tensor, token: torch.Tensor, buf: torch.Tensor
+        ) -> torch.Tensor:
+            return (~done).any() & (t < MAX_LEN)
+
+        def body_fn(
+            t: int, done: torch.Tensor, h: torch.Tensor, token: torch.Tensor, buf: torch.Tensor
+        ) -> tuple[Any, ...]:
+            h, token = self.step(h, token)
+            token = torch.where(done, torch.full_like(token, EOS), token)
+            buf = buf.index_copy(1, torch.full((1,), t, dtype=torch.long), token.unsqueeze(1))
+            return t + 1, done | (token == EOS), h, token, buf
+
+        done = torch.zeros(h.shape[0], dtype=torch.bool)
+        buf = torch.full((h.shape[0], MAX_LEN), EOS, dtype=torch.long)
+        t, _, h, _, buf = hop.while_loop(cond_fn, body_fn, (0, done, h, start, buf))
+        return torch.tensor(t), buf
+
+
+class PythonDecoder(Decoder):
+    def forward(self, h: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t, done, token = 0, torch.zeros(h.shape[0], dtype=torch.bool), start
+        buf = torch.full((h.shape[0], MAX_LEN), EOS, dtype=torch.long)
+        while (~done).any() and t < MAX_LEN:
+            h, token = self.step(h, token)
+            token = torch.where(done, torch.full_like(token, EOS), token)
+            buf[:, t] = token
+            t, done = t + 1, done | (token == EOS)
+        return torch.tensor(t), buf
+
+
+def make() -> tuple[Decoder, list[tuple[torch.Tensor, torch.Tensor]]]:
+    model = Decoder()
+    cases = [(torch.randn(3, HIDDEN) * s, torch.tensor([1, 2, 3])) for s in (0.1, 1.0, 3.0)]
+    return model, cases
+
+
+def test_eager_equals_the_python_twin() -> None:
+    model, cases = make()
+    twin = PythonDecoder()
+    twin.load_state_dict(model.state_dict())
+    lengths = set()
+    for case in cases:
+        got, want = model(*case), twin(*case)
+        assert int(got[0]) == int(want[0])
+        torch.testing.assert_close(got[1], want[1])
+        lengths.add(int(got[0]))
+    assert len(lengths) > 1 or MAX_LEN not in lengths  # the cases stop early, or at different steps
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_equals_eager(backend: str) -> None:
+    model, cases = make()
+    check_compile(model, cases, backend)
+
+
+def test_exported_equals_eager() -> None:
+    model, cases = make()
+    check_export(model, cases[0], cases)
+
+
+def test_aoti_package_equals_eager(tmp_path: Path) -> None:
+    model, cases = make()
+    check_aoti(model, cases[0], cases, tmp_path)
