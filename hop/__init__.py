@@ -34,6 +34,7 @@ __all__ = [
     "debug",
     "errors",
     "registered_ops",
+    "passes",
     "subgraph",
     "testing",
 ]
@@ -42,7 +43,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``hop.testing`` is imported on first use (it is for tests, not for running programs)."""
-    if name == "testing":
-        return importlib.import_module("hop.testing")
+    """``hop.testing`` and ``hop.passes`` are imported on first use (for tests and for
+    optimizing traced programs, not for running programs)."""
+    if name in ("testing", "passes"):
+        return importlib.import_module(f"hop.{name}")
     raise AttributeError(f"module 'hop' has no attribute {name!r}")

@@ -176,3 +176,16 @@ def test_dynamo_handlers_are_registered_lazily_also_for_ops_made_before_dynamo()
         "assert isinstance(torch_cond, h.CondHigherOrderVariable)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_submodules_work_after_a_bare_import() -> None:
+    # `import hop; hop.passes.optimize(ep)` raised AttributeError (hop.passes was never imported)
+    import subprocess
+    import sys
+
+    code = (
+        "import hop\n"
+        "assert callable(hop.passes.optimize) and callable(hop.debug.draw) and callable(hop.testing.check)\n"
+        "assert 'passes' in hop.__all__ and 'debug' in hop.__all__\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.utils._pytree as pytree
 from torch._dynamo.variables import TupleVariable
+from torch._dynamo.variables.builder import SourcelessBuilder
 
 from hop.compile._dynamo_capture import (
     VT,
@@ -80,6 +81,9 @@ class ScanVariable(HopVariable):
         init_leaves, xs_leaves = without_none(init_all), without_none(xs_all)
         init_values = [example(leaf) for leaf in init_leaves]
         lp.check_leaves("scan", "init", example_tree(tx, init), init_values)
+        if not xs_leaves and type(dim) is int:  # nothing to scan over
+            no_steps: VT = SourcelessBuilder.create(tx, scan_module.no_steps)
+            return no_steps.call_function(tx, [init, xs], {})
         dims, _ = lp.check_xs("scan", example_tree(tx, xs), [example(x) for x in xs_leaves], dim)
         moved = [method(tx, x, "movedim", d, 0) if d else x for x, d in zip(xs_leaves, dims, strict=True)]
         carry = unflatten(tx, with_none(fresh(tx, init_values), init_all), init_spec)

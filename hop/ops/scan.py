@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._C import DispatchKey
 from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -59,7 +60,9 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     Returns:
         ``(final_carry, ys)``. A scan over a dimension of length 0 returns ``init``
         (cloned) and empty ``ys`` (their shapes found by running ``combine_fn``
-        once on fake tensors). Outputs never alias the inputs.
+        once on fake tensors); with no xs at all (``xs=[]``) it returns ``init``
+        (cloned) and ``xs``'s empty structure, as torch's scan does. Outputs never
+        alias the inputs.
 
     Eager calls run the Python loop directly (checked on the first iteration).
     Autograd, ``torch.func`` (grad, vjp, jvp, jacrev, jacfwd) and vmap differentiate
@@ -84,6 +87,8 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     init_leaves, init_spec = lp.flatten_dropping_none(init)
     xs_leaves, xs_spec = lp.flatten_dropping_none(xs)
     lp.check_leaves("scan", "init", init, init_leaves)
+    if not xs_leaves and type(dim) is int:  # nothing to scan over: a Python loop over nothing
+        return no_steps(init, xs)
     dims, n = lp.check_xs("scan", xs, xs_leaves, dim)
     if lp.runs_inline(n, init_leaves, xs_leaves):
         return _scan_inline(combine_fn, init, xs, xs_leaves, xs_spec, dims, dim, n, reverse)
@@ -94,6 +99,13 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     k = len(init_leaves)
     ys = [y.movedim(0, lp.stack_dim(dim, y.dim() - 1)) if dim else y for y in out[k:]]
     return _subgraph.unflatten(out[:k], init_spec), _subgraph.unflatten(ys, y_spec[0])
+
+
+def no_steps(init: Any, xs: Any) -> tuple[Any, Any]:
+    """A scan with no xs: ``init`` (a fresh copy: outputs never alias inputs) and no ys,
+    ``xs``'s empty structure, as a Python loop over nothing and torch's scan return."""
+    carry = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, init)
+    return carry, pytree.tree_map(lambda leaf: leaf, xs)
 
 
 def _scan_inline(

@@ -516,3 +516,26 @@ def test_a_combine_fn_building_a_tensor_from_python_data_traces_and_exports() ->
     with torch.no_grad():  # no closure lifting before the op: its proxy rule sees the constant first
         check_make_fx(with_a_new_tensor, scan_op, inputs[0], inputs)
     check_export(Programs(with_a_new_tensor), scan_op, inputs[0], inputs)
+
+
+@pytest.mark.parametrize("how", ["eager", "make_fx", "compile"])
+def test_no_xs_returns_init_and_no_ys(how: str) -> None:
+    # hop raised "xs must contain at least one tensor"; a Python loop over nothing (and torch's scan) returns init
+    init = (torch.randn(3), {"h": torch.randn(2)})
+
+    def program(a: torch.Tensor, b: torch.Tensor) -> Any:
+        return hop.scan(lambda c, x: (c, c), (a, {"h": b}), [])
+
+    if how == "make_fx":
+        run: Any = make_fx(program, tracing_mode="symbolic")(init[0], init[1]["h"])
+    elif how == "compile":
+        torch._dynamo.reset()
+        run = torch.compile(program, backend="aot_eager", fullgraph=True)
+    else:
+        run = program
+    carry, ys = run(init[0], init[1]["h"])
+    assert ys == []
+    torch.testing.assert_close(carry[0], init[0])
+    torch.testing.assert_close(carry[1]["h"], init[1]["h"])
+    if how == "eager":
+        assert carry[0] is not init[0]  # outputs never alias inputs
