@@ -351,8 +351,6 @@ CASES: list[Case] = [
       lambda x: hop.scan(lambda c, a: (c, a), "s", x)),
     C("scan-init-int", "e", TE, r"^hop\.scan: init: must be a tensor, got int",
       lambda x: hop.scan(lambda c, a: (c, a), 1, x)),
-    C("scan-xs-empty", "ef", VE, r"^hop\.scan: xs must contain at least one tensor",
-      lambda x: hop.scan(lambda c, a: (c, a), x[0], ())),
     C("scan-y-str", "efvg", VE, r"^hop\.scan: combine_fn: y: must be a tensor, got str",
       lambda x: hop.scan(lambda c, a: (c, "s"), x[0], x)),
     C("scan-empty-data-dependent", "e", RE,

@@ -462,8 +462,8 @@ def test_argument_types() -> None:
         hop.scan(3, torch.zeros(1), torch.ones(2, 1))  # type: ignore[arg-type]
     with pytest.raises(HopTypeError, match=r"^hop.scan: init\[1\]: must be a tensor, got float"):
         hop.scan(lambda c, x: (c, x), (torch.zeros(1), 0.5), torch.ones(2, 1))
-    with pytest.raises(HopValueError, match=r"^hop.scan: xs must contain at least one tensor"):
-        hop.scan(lambda c, x: (c, x), torch.zeros(1), ())
+    with pytest.raises(HopTypeError, match=r"^hop.scan: dim must be an int, got str"):
+        hop.scan(lambda c, x: (c, x), torch.zeros(1), (), dim="0")  # type: ignore[arg-type]
     with pytest.raises(HopTypeError, match=r"^hop.scan: reverse must be a bool, got int$"):
         hop.scan(lambda c, x: (c, x), torch.zeros(1), torch.ones(2, 1), reverse=1)  # type: ignore[arg-type]
 
