@@ -174,11 +174,40 @@ def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: An
         cond_fn.graph_module = _retrace(cond_fn.graph_module)
         _bind_item_symbols(cond_fn.graph_module)
     node = V.graph.current_node
+    additional_inputs = _inline_constant_inputs(node, cond_fn, body_fn, additional_inputs)
     carried_inputs = _traced_strides(carried_inputs, node.args[2])
     additional_inputs = _traced_strides(additional_inputs, node.args[3])
     with _own_buffers():
         out = torch_while(cond_fn, body_fn, carried_inputs, additional_inputs)
     return out[0] if len(carried_inputs) == 1 else out
+
+
+def _inline_constant_inputs(node: torch.fx.Node, cond_fn: Any, body_fn: Any, additional: Sequence[Any]) -> list[Any]:
+    """Write the constants among a loop's additional inputs (a float Dynamo lifted) into
+    its subgraphs: torch's lowering (from 2.15) reads every input's FX ``meta``."""
+    traced = list(node.args[3])  # type: ignore[arg-type]
+    constant = [j for j, a in enumerate(traced) if not isinstance(a, torch.fx.Node)]
+    if not constant:
+        return list(additional)
+    first = len(node.args[2])  # type: ignore[arg-type]
+    for gm in (cond_fn.graph_module, body_fn.graph_module):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for j in constant:
+            _replace_input(gm.graph, placeholders[first + j], traced[j])
+        gm.recompile()
+    node.args = (*node.args[:3], tuple(a for j, a in enumerate(traced) if j not in constant))
+    return [a for j, a in enumerate(additional) if j not in constant]
+
+
+def _replace_input(graph: torch.fx.Graph, placeholder: torch.fx.Node, value: Any) -> None:
+    """Every use of ``placeholder`` reads the constant ``value`` instead; the input goes."""
+
+    def swap(arg: torch.fx.Node) -> Any:
+        return value if arg is placeholder else arg
+
+    for user in list(placeholder.users):
+        user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), swap)
+    graph.erase_node(placeholder)
 
 
 # Note [donated buffers and subgraphs]
