@@ -499,7 +499,10 @@ def _ints_as_tensors(
 # Python bool, which a data-dependent value cannot be: the trace fails where eager,
 # which has a real int, works. Such a condition gets the carries as the 0-dim int64
 # tensors they travel as instead, so that ``t < n`` is a tensor too; the value it
-# computes is the same. Conditions that work on SymInts keep getting SymInts.
+# computes is the same. Conditions that work on SymInts keep getting SymInts. make_fx
+# and torch.export decide by a run of cond_fn on fake values (_cond_reads_symints);
+# Dynamo, whose stand-ins for a callable cannot always run, by tracing it again
+# (hop.compile._dynamo_while.WhileLoopVariable.trace_cond).
 
 
 def _cond_reads_symints(
