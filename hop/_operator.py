@@ -17,8 +17,8 @@ Kernels are registered with torch's spelling: ``op.py_impl(DispatchKey...)``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch._ops
@@ -88,6 +88,9 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             ``torch.ops.hop`` (as re-running a module that defines it would);
             the names of hop's own operators (``cond``, ``switch``, ...) are refused.
         cacheable: forwarded to torch (AOTAutograd's cache may key on it).
+        tuple_args: positions of the arguments that must be a tuple or list, by role
+            name (``{3: "operands"}``): a call with anything else there raises
+            ``HopTypeError`` instead of unpacking, say, a tensor's rows as operands.
 
     Under ``torch.compile``, Dynamo breaks the graph at a call of an operator
     that hop has no Dynamo handler for (every user-defined one) and runs it
@@ -102,7 +105,7 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             return fn(*tensors)
     """
 
-    def __init__(self, name: str, *, cacheable: bool = False) -> None:
+    def __init__(self, name: str, *, cacheable: bool = False, tuple_args: Mapping[int, str] | None = None) -> None:
         if not isinstance(name, str) or not name.isidentifier():
             raise HopValueError(
                 format_message("HigherOrderOperator", f"name must be a Python identifier, got {name!r}"),
@@ -134,13 +137,28 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
         self.__qualname__ = name
         # hop's resolved-kernel cache per dispatch key; cleared on registration.
         self._hop_kernels: dict[DispatchKey, Callable[..., Any]] = {}
+        self._tuple_args = tuple(sorted((tuple_args or {}).items()))
         _REGISTRY[name] = self
         _install_namespace()
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if args and args[0] is _transforms.DYNAMO_CALL:  # Note [public functions under Dynamo]
             return args[1](*args[2:], **kwargs)
+        for position, role in self._tuple_args:
+            if position < len(args) and not isinstance(args[position], (tuple, list)):
+                self._not_a_sequence(role, args[position])
         return _dispatch.call(self, args, kwargs)
+
+    def _not_a_sequence(self, role: str, value: Any) -> NoReturn:
+        raise HopTypeError(
+            format_message(
+                self.name(),
+                f"{role} of torch.ops.hop.{self.name()} must be a tuple or list, got {type_name(value)}",
+                fix=f"Pass {role}=(x,) for a single one.",
+            ),
+            op=self.name(),
+            role=role,
+        )
 
     def dispatch(self, /, dispatch_key: DispatchKey, *args: Any, **kwargs: Any) -> Any:
         """Run at ``dispatch_key`` through hop's dispatcher (torch code may call this)."""

@@ -189,3 +189,19 @@ def test_submodules_work_after_a_bare_import() -> None:
         "assert 'passes' in hop.__all__ and 'debug' in hop.__all__\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_tuple_args_refuse_anything_but_a_tuple_or_list() -> None:
+    op = hop.HigherOrderOperator("test_tuple_args", tuple_args={1: "operands"})
+
+    @op.py_impl(DispatchKey.CompositeExplicitAutograd)
+    def dense(fn: object, operands: tuple[torch.Tensor, ...]) -> object:
+        return fn(*operands)  # type: ignore[operator]
+
+    x = torch.ones(2, 3)
+    torch.testing.assert_close(op(lambda a: a + 1, (x,)), x + 1)
+    torch.testing.assert_close(op(lambda a: a + 1, [x]), x + 1)
+    with pytest.raises(
+        HopTypeError, match=r"^hop\.test_tuple_args: operands of torch\.ops\.hop\.test_tuple_args must be"
+    ):
+        op(lambda a, b: a + b, x)

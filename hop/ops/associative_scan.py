@@ -132,7 +132,7 @@ def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
     return body
 
 
-associative_scan_op = HigherOrderOperator("associative_scan")
+associative_scan_op = HigherOrderOperator("associative_scan", tuple_args={1: "xs", 2: "additional_inputs"})
 
 
 def _prefix_scan(combine: Fn, elems: Sequence[torch.Tensor], additional: Sequence[Any], n: int) -> list[torch.Tensor]:

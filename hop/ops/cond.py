@@ -152,7 +152,7 @@ def _check_pred(pred: Any) -> None:
         )
 
 
-cond_op = HigherOrderOperator("cond")
+cond_op = HigherOrderOperator("cond", tuple_args={3: "operands"})
 
 
 def _index(pred: Any, n: int) -> int:

@@ -178,7 +178,7 @@ def _flat_body(combine_fn: Fn, init_spec: Any, xs_spec: Any, dim: int) -> tuple[
     return body, y_spec
 
 
-scan_op = HigherOrderOperator("scan")
+scan_op = HigherOrderOperator("scan", tuple_args={1: "init", 2: "xs", 3: "additional_inputs"})
 
 
 def _call(body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool) -> Any:

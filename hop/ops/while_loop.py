@@ -325,7 +325,7 @@ def _inline_or_node(
 
 # --- the raw op and its rules -----------------------------------------------------------------
 
-while_loop_op = HigherOrderOperator("while_loop")
+while_loop_op = HigherOrderOperator("while_loop", tuple_args={2: "carried_inputs", 3: "additional_inputs"})
 
 
 @while_loop_op.py_impl(DispatchKey.CompositeExplicitAutograd)
