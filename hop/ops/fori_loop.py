@@ -9,13 +9,13 @@ traced programs as ``torch.ops.hop.while_loop``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from hop import _observe, _reference, _subgraph, _transforms
 from hop import _validation as validation
-from hop.errors import HopTypeError, HopValueError, format_message, type_name
+from hop.errors import HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops.while_loop import while_loop, while_loop_op
 
 __all__ = ["fori_loop"]
@@ -78,8 +78,30 @@ def fori_loop(
     if isinstance(upper, torch.Tensor) and not isinstance(lower, torch.Tensor):
         # the counter may be batched; not torch.tensor: that is a constant in a traced body
         lower = torch.zeros((), dtype=upper.dtype, device=upper.device) + lower
-    _, val = while_loop(lambda i, v: i < upper, _counted_body(body_fn), (lower, init_val))
+    try:
+        _, val = while_loop(lambda i, v: i < upper, _counted_body(body_fn), (lower, init_val))
+    except OutputMismatchError as e:
+        if type(lower) is int and e.op == "while_loop" and e.path == "carry[0]":
+            _counter_needs_symbols(e)
+        raise
     return val
+
+
+def _counter_needs_symbols(error: OutputMismatchError) -> NoReturn:
+    """With int bounds ``i`` is an int; a trace without a ShapeEnv (``make_fx``'s default
+    real mode) has no symbol to carry it in, and while_loop's own message would
+    name its internal ``carry[0]``."""
+    raise HopTypeError(
+        format_message(
+            _NAME,
+            "with int bounds the counter i is a Python int, which a trace without a ShapeEnv cannot carry "
+            "from one iteration to the next",
+            fix="Trace with make_fx(..., tracing_mode='symbolic' or 'fake') or torch.export, or pass tensor bounds "
+            "(then i is a tensor).",
+        ),
+        op=_NAME,
+        role="lower",
+    ) from error
 
 
 def _counted_body(body_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

@@ -55,6 +55,12 @@ def test_index_is_an_int_with_int_bounds_and_a_tensor_with_tensor_bounds() -> No
     assert type(seen[-1]) is int and seen[-2:] == [0, 1]
     hop.fori_loop(torch.tensor(0), torch.tensor(1), lambda i, v: seen.append(i) or v, torch.zeros(1))
     assert type(seen[-1]) is torch.Tensor
+    # one tensor bound (either one) makes the counter a tensor, as docs/fori_loop.md says
+    for lower, upper in ((0, torch.tensor(2)), (torch.tensor(0), 2)):
+        seen.clear()
+        hop.fori_loop(lower, upper, lambda i, v: seen.append(i) or v, torch.zeros(1))
+        assert all(type(i) is torch.Tensor and i.dtype == torch.int64 for i in seen[-2:]), seen
+        assert [int(i) for i in seen[-2:]] == [0, 1]
 
 
 def test_empty_range_returns_a_fresh_copy() -> None:
@@ -117,3 +123,11 @@ def test_vmap_with_an_int_lower_and_a_batched_upper() -> None:
     out = torch.vmap(lambda n: hop.fori_loop(0, n, lambda i, v: v + i, torch.zeros(2)))(ns)
     want = torch.stack([reference(0, int(n), lambda i, v: v + i, torch.zeros(2)) for n in ns])
     torch.testing.assert_close(out, want)
+
+
+def test_int_bounds_under_a_trace_without_symbols_name_fori_loop() -> None:
+    # was: "hop.while_loop: body_fn changes carry[0] between iterations", naming an internal carry
+    with pytest.raises(HopTypeError, match=r"^hop\.fori_loop: with int bounds the counter i is a Python int.*symbolic"):
+        make_fx(lambda v: hop.fori_loop(0, 3, lambda i, u: u + i, v))(torch.zeros(2))
+    traced = make_fx(lambda v, n: hop.fori_loop(0, n, lambda i, u: u + i, v))(torch.zeros(2), torch.tensor(3))
+    torch.testing.assert_close(traced(torch.zeros(2), torch.tensor(4)), torch.full((2,), 6.0))
