@@ -221,6 +221,7 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
     """
     from torch.fx.experimental import proxy_tensor
 
+    fn = keeping_node_meta(fn)
     tracer = proxy_tensor._CURRENT_MAKE_FX_TRACER
     if tracer is not None:
         return tracer.trace_subgraph(fn, *args)
@@ -231,6 +232,29 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
         return proxy_tensor.make_fx(fn, tracing_mode="fake")(*args)
     with fake_mode:
         return proxy_tensor.make_fx(fn, tracing_mode="real")(*args)
+
+
+# Note [re-traced subgraphs keep their node meta]
+# Re-tracing a captured program under torch.fx.traceback.preserve_node_meta() (as
+# AOTAutograd does, and users who re-run make_fx) copies each node's stack_trace,
+# source_fn_stack and nn_module_stack from the node being run to the nodes it
+# produces; that needs the graph run node by node by an fx.Interpreter. A body that
+# is already a GraphModule (an operator's argument in the program) is run that way,
+# or its nodes would point at hop's rule instead of the user's line.
+
+
+def keeping_node_meta(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run by an fx.Interpreter if it is a GraphModule and node meta is preserved."""
+    if not isinstance(fn, torch.fx.GraphModule) or not torch.fx.traceback.has_preserved_node_meta():
+        return fn
+    graph_module = fn
+
+    def interpreted(*args: Any) -> Any:
+        with torch.fx.traceback.preserve_node_meta():
+            return torch.fx.Interpreter(graph_module).run(*args)
+
+    interpreted.__wrapped__ = graph_module  # type: ignore[attr-defined]  # names it in errors
+    return interpreted
 
 
 # Note [bodies are traced on values they can see]
@@ -540,6 +564,7 @@ def trace_branches(
     parent = outer.fx_tracer if outer is not None else None
     traced: list[tuple[torch.fx.GraphModule, list[Any], list[torch.fx.Node]]] = []
     for fn in fns:
+        fn = keeping_node_meta(fn)
         lifted: list[Any] = []
         nodes: list[torch.fx.Node] = []
 
@@ -927,6 +952,7 @@ def functionalize_body(ctx: Any, fn: Callable[..., Any], op: str, role: str) -> 
     stay outside bodies]); C++ functionalization threads none."""
     from torch._subclasses.functional_tensor import PythonFunctionalizeAPI
 
+    fn = keeping_node_meta(fn)
     body = fn
     if isinstance(ctx, PythonFunctionalizeAPI):
 
