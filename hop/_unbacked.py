@@ -26,6 +26,7 @@ as user asserts and adds no generic duplicate.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -53,7 +54,22 @@ __all__ = [
     "per_step_sizes",
     "rebind_sizes",
     "fresh_symint",
+    "trial_run",
 ]
+
+
+@contextmanager
+def trial_run() -> Iterator[None]:
+    """A run on symbols whose data-dependent failure the caller expects and handles (it
+    then traces another way): torch's fake tensors log every meta function that fails
+    at ERROR, with a traceback, which a user would read as a failed compile."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 # --- fresh symbols and their ranges -------------------------------------------------------------

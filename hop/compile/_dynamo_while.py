@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch._dynamo.variables.builder import SourcelessBuilder
 from torch._dynamo.variables.lists import BaseListVariable
 
 from hop import _subgraph
-from hop._unbacked import _changes, _generalize, _placeholder
+from hop._unbacked import _changes, _generalize, _placeholder, trial_run
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._dynamo_capture import (
     VT,
@@ -184,7 +185,8 @@ class WhileLoopVariable(HopVariable):
         tensors (Note [int carries in a traced condition], hop.ops.while_loop)."""
         slots = tuple(k for k, g in enumerate(generic) if isinstance(example(g), torch.SymInt))
         try:
-            return self.trace(tx, "cond_fn", cond_fn, generic, spec, additional)
+            with trial_run() if slots else nullcontext():
+                return self.trace(tx, "cond_fn", cond_fn, generic, spec, additional)
         except Exception as e:
             if not slots or not _data_dependent(e):
                 raise

@@ -32,7 +32,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from hop import _observe, _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
-from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording
+from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording, trial_run
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _checkpoint, _loop_reverse
 from hop.ops._branching import as_tuple, like, no_alias
@@ -511,7 +511,7 @@ def _cond_reads_symints(
     """Note [int carries in a traced condition]: whether cond_fn can be traced on SymInts."""
     shape_env = fake_mode.shape_env
     assert shape_env is not None
-    with fake_mode, shape_env.ignore_fresh_unbacked_symbols():
+    with fake_mode, shape_env.ignore_fresh_unbacked_symbols(), trial_run():
         values = [shape_env.create_unbacked_symint() if i in slots else c for i, c in enumerate(carried)]
         try:
             cond_fn(*values, *additional)

@@ -777,3 +777,30 @@ def test_an_int_carry_meets_a_tensor_in_the_condition(how: str) -> None:
         got, want = traced(h), model(h)
         assert int(got[0]) == want[0]
         torch.testing.assert_close(got[1:], want[1:])
+
+
+class _IntFirst(torch.nn.Module):
+    """The int's comparison first: ``SymBool & Tensor`` runs ``bitwise_and.Scalar``."""
+
+    def forward(self, h: torch.Tensor) -> Any:
+        return hop.while_loop(lambda t, h: (t < 3) & (h.sum() < 100), lambda t, h: (t + 1, h + 1), (0, h))
+
+
+@pytest.mark.parametrize("how", ["export", "strict export", "aot_eager"])
+def test_an_int_compared_first_traces_without_error_logs(
+    how: str, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # traced right, but Dynamo's first attempt (on SymInts) left torch's ERROR log
+    # "failed while attempting to run meta for aten.bitwise_and.Scalar" and its traceback
+    model, example = _IntFirst(), torch.zeros(3)
+    if how.endswith("export"):
+        traced: Any = torch.export.export(model, (example,), strict=how == "strict export").module()
+    else:
+        torch._dynamo.reset()
+        traced = torch.compile(model, backend=how, fullgraph=True)
+    for h in (example, torch.full((3,), 40.0)):
+        got, want = traced(h), model(h)
+        assert int(got[0]) == want[0]
+        torch.testing.assert_close(got[1], want[1])
+    logged = capfd.readouterr().err + caplog.text
+    assert "failed while attempting to run meta" not in logged
