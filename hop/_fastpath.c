@@ -9,7 +9,9 @@ Python, the checks alone cost about a Python `if` (every tensor attribute read i
 
 An entry of the inline cache is made by Python (hop.ops._inline.remember) after a
 call found its verdict; it is keyed by a fold of the addresses of the branches'
-code (a builtin's own address) and the operand's dtype, rank and device, and holds:
+code (a builtin's own address) and the operand's dtype, rank and device, and is a
+hop.ops._inline.Entry (a NamedTuple, read here by position; configure() checks
+that its fields are ENTRY_FIELDS, in order):
 
     (items, dtype, ndim, device, kinds, usual, names, key)
 
@@ -53,6 +55,7 @@ static PyObject *inert_types;    /* hop._subgraph.INERT_TYPES (a frozenset) */
 static PyObject *s_dtype, *s_ndim, *s_get_device, *s_requires_grad, *s_is_view, *s_validate, *s_active;
 
 enum { E_ITEMS, E_DTYPE, E_NDIM, E_DEVICE, E_KINDS, E_USUAL, E_NAMES, E_KEY, E_SIZE };
+static const char *ENTRY_FIELDS[E_SIZE] = {"items", "dtype", "ndim", "device", "kinds", "usual", "names", "key"};
 
 /* 1 when no dispatch mode, no functorch transform and no torch-function mode is
    active (hop._transforms' plain eager), 0 otherwise, -1 on error. */
@@ -213,7 +216,7 @@ find(PyObject *cache, PyObject *const *fns, Py_ssize_t n, PyObject *x)
         return NULL;
     PyObject *e = PyDict_GetItemWithError(cache, id);
     Py_DECREF(id);
-    if (e == NULL || !PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != E_SIZE)
+    if (e == NULL || !PyTuple_Check(e) || PyTuple_GET_SIZE(e) != E_SIZE)
         return NULL;
     if (PyTuple_GET_ITEM(e, E_DTYPE) != dtype || PyLong_AsLong(PyTuple_GET_ITEM(e, E_NDIM)) != ndim ||
         PyLong_AsLong(PyTuple_GET_ITEM(e, E_DEVICE)) != device)
@@ -339,7 +342,9 @@ fast_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long h = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *item = item_of(fns[j]);
-        if (item == NULL)
+        /* a builtin that is not inert is never cached (find() skips this check: no
+           entry holds one) */
+        if (item == NULL || (Py_IS_TYPE(item, &PyCFunction_Type) && !is_inert(item)))
             Py_RETURN_NONE;
         h = FOLD(h, (uintptr_t)item);
     }
@@ -440,15 +445,28 @@ fast_switch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 configure(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"tensor",       "miss",           "config",          "reference", "sinks",
-                            "index_dtypes", "inert_types",    "cond_cache",      "switch_cache",
-                            "mode_stack_len", "functorch_level", "tf_mode",     "grad_enabled", NULL};
-    PyObject *v[13];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!O!O!O!O!O!O!OOOO", names, &PyType_Type, &v[0], &v[1],
-                                     &PyDict_Type, &v[2], &PyDict_Type, &v[3], &PyList_Type, &v[4], &PySet_Type, &v[5],
-                                     &PyFrozenSet_Type, &v[6], &PyDict_Type, &v[7], &PyDict_Type, &v[8], &v[9], &v[10],
-                                     &v[11], &v[12]))
+    static char *names[] = {"entry_fields", "tensor",         "miss",            "config",  "reference",
+                            "sinks",        "index_dtypes",   "inert_types",     "cond_cache",
+                            "switch_cache", "mode_stack_len", "functorch_level", "tf_mode", "grad_enabled", NULL};
+    PyObject *v[13], *fields;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OO!O!O!O!O!O!O!OOOO", names, &PyTuple_Type, &fields,
+                                     &PyType_Type, &v[0], &v[1], &PyDict_Type, &v[2], &PyDict_Type, &v[3],
+                                     &PyList_Type, &v[4], &PySet_Type, &v[5], &PyFrozenSet_Type, &v[6], &PyDict_Type,
+                                     &v[7], &PyDict_Type, &v[8], &v[9], &v[10], &v[11], &v[12]))
         return NULL;
+    /* the entry's layout is Python's: refuse to run on another */
+    int same = PyTuple_GET_SIZE(fields) == E_SIZE;
+    for (Py_ssize_t j = 0; same && j < E_SIZE; j++) {
+        PyObject *f = PyTuple_GET_ITEM(fields, j);
+        same = PyUnicode_Check(f) && PyUnicode_CompareWithASCIIString(f, ENTRY_FIELDS[j]) == 0;
+    }
+    if (!same) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "hop._fastpath reads entries as (items, dtype, ndim, device, kinds, usual, names, key), "
+                     "but hop.ops._inline.Entry has the fields %R: rebuild the extension (pip install -e .)",
+                     fields);
+        return NULL;
+    }
     PyObject **slots[] = {&Tensor,     &MISS,         &config,         &reference,       &sinks,   &index_dtypes, &inert_types,
                           &cond_cache, &switch_cache, &mode_stack_len, &functorch_level, &tf_mode, &grad_enabled};
     for (int j = 0; j < 13; j++)

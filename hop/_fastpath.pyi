@@ -5,6 +5,7 @@ from typing import Any
 
 def configure(
     *,
+    entry_fields: tuple[str, ...],
     tensor: type,
     miss: object,
     config: dict[str, Any],

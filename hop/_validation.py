@@ -76,7 +76,7 @@ _UNCHECKED: dict[Any, dict[int, str]] = {}
 _SINKS = _observe.SINKS
 # Per operator, the inline cache of validated eager calls (Note [the eager inline
 # cache] in hop.ops._inline): each entry holds a verdict, and goes with it.
-INLINE: dict[str, dict[int, tuple[Any, ...]]] = {"cond": {}, "switch": {}}
+INLINE: dict[str, dict[Any, Any]] = {"cond": {}, "switch": {}}  # key -> hop.ops._inline.Entry
 # Verdicts whose fake run saw a callable return a tensor sharing memory with an
 # operand without being it or a view of it (x.detach(), x.data); their calls are
 # not cached inline, so each gets the general path's data-pointer check.

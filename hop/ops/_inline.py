@@ -13,10 +13,11 @@ found its verdict leaves an *entry* here, and later calls with the same branches
 (``pip install`` compiles it; it needs no torch headers), else the Python
 functions below, which are its reference (the tests run both).
 
-An entry is (items, dtype, ndim, device, kinds, usual, names, key): per branch
-its code (an inert builtin such as ``torch.tanh``: itself), the operand's kind,
-the verdict's set of output kinds and one of them (compared first), per branch
-the globals its code loads, and the verdict's key. Whether any branch can read a
+An entry is an :class:`Entry`: per branch its code (an inert builtin such as
+``torch.tanh``: itself), the operand's kind, the verdict's set of output kinds and
+one of them (compared first), per branch the globals its code loads, and the
+verdict's key. The C module reads entries by position: ``configure`` checks that
+its layout is :class:`Entry`'s fields. Whether any branch can read a
 tensor but its argument is decided again on every call that needs it
 (``reads_nothing`` of each: its defaults, the current values of those globals):
 an entry holds no value a program could rebind, nor a tensor. Entries are
@@ -27,13 +28,23 @@ cache holds :data:`CACHE_SIZE`.
 Python takes over), or ``(out, k, entry)``: branch ``k`` ran and returned ``out``,
 which ``_branching.finish_ran`` finishes (a new output kind, zero gradients to
 attach, an alias to clone).
+
+The two give the same answer for every call (tests/property/test_fastpath_twin.py
+feeds both the same calls), with these deliberate differences, none of which can
+change an answer: C's ``key`` folds what ``py_key`` lists into one int (an entry
+found by a colliding key is still checked item by item); C's lookup takes any
+builtin as an item and finds no entry for one that is not inert, where Python stops
+at it; and C reads a tensor's attributes by name, Python by the interpreter.
+``HOP_FASTPATH=0`` in the environment (read at import) leaves the C module unused,
+so the whole suite can run on the Python functions.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from types import BuiltinFunctionType, FunctionType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,7 +53,7 @@ from hop import _validation as validation
 from hop._transforms import functorch_level, mode_stack_len, tf_mode_enabled
 from hop.ops._zero_grads import reads_nothing
 
-__all__ = ["BUILT", "CACHE_SIZE", "MISS", "cond", "key", "remember", "switch"]
+__all__ = ["BUILT", "CACHE_SIZE", "MISS", "Entry", "cond", "key", "remember", "switch"]
 
 MISS = object()
 CACHE_SIZE = 1024
@@ -53,8 +64,19 @@ _CACHES = validation.INLINE
 _INDEX_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 _grad_enabled = torch.is_grad_enabled
 Fn = Callable[..., Any]
-Entry = tuple[Any, ...]
-_KINDS = 4  # the position of the kinds in an entry
+
+
+class Entry(NamedTuple):
+    """An inline-cache entry; the C module reads its fields by position, in this order."""
+
+    items: tuple[Any, ...]  # per branch: its code, or an inert builtin itself
+    dtype: torch.dtype  # the operand's kind the verdict is for
+    ndim: int
+    device: int
+    kinds: set[Any]  # the verdict's output kinds
+    usual: Any  # one of them, compared first (None if there is none)
+    names: tuple[tuple[str, ...] | None, ...]  # per branch: the globals its code loads
+    key: Any  # the verdict's key
 
 
 def py_key(fns: Sequence[Fn], x: torch.Tensor) -> Any:
@@ -88,7 +110,7 @@ def remember(name: str, fns: Sequence[Fn], x: torch.Tensor, verdict: Any, kinds:
     cache = _CACHES[name]
     if len(cache) >= CACHE_SIZE:
         cache.clear()
-    cache[k] = (
+    cache[k] = Entry(
         tuple(map(_item, fns)),
         x.dtype,
         x.ndim,
@@ -138,27 +160,33 @@ def py_switch(index: Any, branches: Any, operands: Any) -> Any:
     x = operands[0]
     if type(x) is not _Tensor or not branches or not _plain_eager() or index.dtype not in _INDEX_DTYPES:
         return MISS
+    try:
+        k = int(index)  # before the list is read: it may release the GIL
+    except (RuntimeError, NotImplementedError, ValueError):
+        return MISS
     fns = tuple(branches)  # a list can change while a branch runs
+    if not 0 <= k < len(fns):
+        return MISS  # out of range: the general path raises
     e = _find("switch", fns, x)
     if e is None:
         return MISS
-    try:
-        k = int(index)
-    except (RuntimeError, NotImplementedError, ValueError):
-        return MISS
-    if not 0 <= k < len(fns):
-        return MISS  # out of range: the general path raises
-    return _run(e, fns, k, x)
+    return _run(e, fns, k, x, branches)
 
 
-def _run(e: Entry, fns: Sequence[Fn], k: int, x: torch.Tensor) -> Any:
+def _run(e: Entry, fns: Sequence[Fn], k: int, x: torch.Tensor, branches: Any = None) -> Any:
     out = fns[k](x)
-    done = type(out) is _Tensor and (out.dtype, out.ndim, out.get_device()) in e[_KINDS]
+    # a branch that changed switch's list: Python finishes with the entry the call found
+    done = branches is None or (len(branches) == len(fns) and all(map(_is, branches, fns)))
+    done = done and type(out) is _Tensor and (out.dtype, out.ndim, out.get_device()) in e.kinds
     if done and (x.requires_grad or not _still_plain(fns)):
         done = not _grad_enabled()
     if done and (out is x or out._is_view()):
         done = False
     return out if done else (out, k, e)
+
+
+def _is(a: Any, b: Any) -> bool:
+    return a is b
 
 
 def _plain_eager() -> bool:
@@ -176,10 +204,10 @@ def _plain_eager() -> bool:
 
 def _find(name: str, fns: Sequence[Fn], x: torch.Tensor) -> Entry | None:
     k = key(fns, x)
-    e = None if k is None else _CACHES[name].get(k)
-    if e is None or e[1] is not x.dtype or e[2] != x.ndim or e[3] != x.get_device():
+    e: Entry | None = None if k is None else _CACHES[name].get(k)
+    if e is None or e.dtype is not x.dtype or e.ndim != x.ndim or e.device != x.get_device():
         return None
-    items = e[0]
+    items = e.items
     if len(items) != len(fns):
         return None
     for j, fn in enumerate(fns):
@@ -193,11 +221,14 @@ def _still_plain(fns: Sequence[Fn]) -> bool:
 
 
 def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    if os.environ.get("HOP_FASTPATH", "1") == "0":
+        return py_cond, py_switch, py_key
     try:
         from hop import _fastpath
     except ImportError:  # not built (no compiler at install time): the same, in Python
         return py_cond, py_switch, py_key
     _fastpath.configure(
+        entry_fields=Entry._fields,
         tensor=_Tensor,
         miss=MISS,
         config=vars(config),
