@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._inductor.exc import InductorError
 
 import hop
 from hop.errors import CompileUnsupported
@@ -182,3 +183,39 @@ def _causes(e: BaseException | None) -> Iterator[BaseException]:
     while e is not None:
         yield e
         e = e.__cause__ or e.__context__
+
+
+def _reversed(t: torch.Tensor) -> torch.Tensor:
+    # a gather then a reshape: the traced strides are floor divisions of the size symbol
+    return t.reshape(-1)[torch.arange(t.numel() - 1, -1, -1)].reshape(t.shape)
+
+
+_GATHERED = [
+    lambda x: hop.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 0.5), (0, _reversed(_reversed(x))))[1],
+    lambda x: hop.cond(x.sum() > 0, lambda a: a + 1, lambda a: a - 1, (_reversed(_reversed(x)),)),
+    lambda x: hop.scan(lambda c, r: (c + r, c), torch.zeros_like(x[0]), _reversed(_reversed(x)))[0],
+]
+
+
+_LOUD = pytest.mark.xfail(
+    strict=True,
+    raises=InductorError,
+    reason="open (issue 21): the copy that gives the operand its traced strides, whose sizes are "
+    "floor divisions of the size symbol, fails Inductor's C++ codegen ('StrictGreaterThan' object "
+    "has no attribute 'diff'); a loud error, never a wrong value",
+)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [pytest.param(_GATHERED[0], marks=_LOUD), pytest.param(_GATHERED[1], marks=_LOUD), _GATHERED[2]],
+    ids=["while_loop", "cond", "scan"],
+)
+def test_operands_whose_traced_strides_are_floor_divisions(fn: Any) -> None:
+    # Note [operands keep their traced strides]: an operand made by a gather then a
+    # reshape, under dynamic shapes (found by the compiled fuzzer's long profile)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True, dynamic=True)
+    for n in (3, 4):
+        x = torch.randn(n, n, n)
+        torch.testing.assert_close(compiled(x), fn(x))
