@@ -37,7 +37,7 @@ checks, which lands on the same backend kernel the full computation would.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -49,15 +49,32 @@ from torch.utils._python_dispatch import (
 )
 
 from hop import _observe, debug
+from hop._subgraph import closure_tensors
 from hop._transforms import is_user_mode
 from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
 
-if TYPE_CHECKING:
-    from hop._operator import HigherOrderOperator
-
-__all__ = ["call", "dispatch", "tensors_in", "map_tensors"]
+__all__ = ["Operator", "call", "dispatch", "tensors_in", "map_tensors"]
 
 Kernel = Callable[..., Any]
+
+
+class Operator(Protocol):
+    """What the dispatcher reads of an operator: torch's tables of rules, and hop's cache
+    of resolved kernels (``hop.HigherOrderOperator`` is one; the dispatcher, below it,
+    does not import it)."""
+
+    @property
+    def _hop_kernels(self) -> dict[DispatchKey, Kernel]: ...
+    @property
+    def py_kernels(self) -> Any: ...
+    @property
+    def functorch_table(self) -> Any: ...
+    @property
+    def python_key_table(self) -> Any: ...
+    @property
+    def non_fallthrough_keys(self) -> DispatchKeySet: ...
+    def name(self) -> str: ...
+
 
 _Tensor = torch.Tensor
 _mode_stack_len = torch._C._len_torch_dispatch_stack
@@ -129,7 +146,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return tree
 
 
-def _record(op: HigherOrderOperator, key: Any, route: str, kernel: Any = None, detail: Any = None) -> None:
+def _record(op: Operator, key: Any, route: str, kernel: Any = None, detail: Any = None) -> None:
     name = getattr(kernel, "__qualname__", None) if kernel is not None else None
     key_name = str(key).removeprefix("DispatchKey.")
     rec = debug.DispatchRecord(
@@ -142,7 +159,7 @@ def _record(op: HigherOrderOperator, key: Any, route: str, kernel: Any = None, d
 # --- entry points -----------------------------------------------------------
 
 
-def call(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def call(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``op(*args, **kwargs)``: the fast path for plain eager calls, else :func:`dispatch`."""
     if (
         not kwargs
@@ -169,11 +186,11 @@ def call(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any])
     tensors = tensors_in((args, kwargs))
     if torch.overrides.has_torch_function(tensors):
         _record(op, "TorchFunction", "torch-function")
-        return torch.overrides.handle_torch_function(op, tensors, *args, **kwargs)
+        return torch.overrides.handle_torch_function(cast(Any, op), tensors, *args, **kwargs)
     return dispatch(op, _highest_key(op, tensors), args, kwargs)
 
 
-def _plain_kernel(op: HigherOrderOperator, args: tuple[Any, ...]) -> Kernel | None:
+def _plain_kernel(op: Operator, args: tuple[Any, ...]) -> Kernel | None:
     """The backend kernel if every tensor in ``args`` (at most one level of tuple/list
     deep) is a plain dense CPU or Meta tensor that needs no grad; else None."""
     grad = _grad_enabled()
@@ -200,7 +217,7 @@ def _plain_kernel(op: HigherOrderOperator, args: tuple[Any, ...]) -> Kernel | No
     return op._hop_kernels.get(key) or _kernel(op, key)
 
 
-def _highest_key(op: HigherOrderOperator, tensors: Iterable[torch.Tensor]) -> DispatchKey:
+def _highest_key(op: Operator, tensors: Iterable[torch.Tensor]) -> DispatchKey:
     keys = torch._C._dispatch_tls_local_include_set()
     for t in tensors:
         keys = keys | torch._C._dispatch_keys(t)
@@ -208,12 +225,12 @@ def _highest_key(op: HigherOrderOperator, tensors: Iterable[torch.Tensor]) -> Di
     return keys.highestPriorityTypeId()
 
 
-def redispatch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def redispatch(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Dispatch again from the current TLS state, without torch-function handling."""
     return dispatch(op, _highest_key(op, tensors_in((args, kwargs))), args, kwargs)
 
 
-def dispatch(op: HigherOrderOperator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def dispatch(op: Operator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``op`` at dispatch key ``key``; the routes in the module docstring's order."""
     if key == _K.PreDispatch:
         return _pre_dispatch(op, args, kwargs)
@@ -239,7 +256,7 @@ def dispatch(op: HigherOrderOperator, key: DispatchKey, args: tuple[Any, ...], k
 # --- the routes ---------------------------------------------------------------
 
 
-def _pre_dispatch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _pre_dispatch(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if _pre_dispatch_stack_len() > 0 and not torch._C._dispatch_tls_is_dispatch_key_excluded(_K.Python):
         mode = _pre_dispatch_mode()
         handler = _lookup(op.python_key_table, type(mode))
@@ -252,7 +269,7 @@ def _pre_dispatch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[s
         return redispatch(op, args, kwargs)
 
 
-def _functorch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _functorch(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
     interpreter = retrieve_current_functorch_interpreter()
@@ -275,7 +292,7 @@ def _functorch(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str,
     return rule(interpreter, *args, **kwargs)
 
 
-def _autograd(op: HigherOrderOperator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _autograd(op: Operator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensors = tensors_in((args, kwargs))
     if not _grad_enabled() or not (any(t.requires_grad for t in tensors) or _closures_need_grad(tensors, args)):
         _record(op, key, "below-autograd")
@@ -291,14 +308,12 @@ def _closures_need_grad(tensors: list[torch.Tensor], args: tuple[Any, ...]) -> b
     closure: then the autograd rule runs, to differentiate it (Note [closure
     conversion]; on real tensors the rules run the callables inline, where autograd
     sees what they read, but only if the Autograd route is taken at all)."""
-    from hop._subgraph import closure_tensors
-
     fns = [a for arg in args for a in (arg if type(arg) in _SEQUENCES else (arg,)) if callable(a)]
     fns = [f for f in fns if not isinstance(f, (torch.Tensor, torch.fx.GraphModule))]
     return bool(fns) and any(t.requires_grad for t in closure_tensors(fns))
 
 
-def _python(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     mode = _get_current_dispatch_mode()
@@ -350,7 +365,7 @@ def _python(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, An
     raise _all_not_implemented(op, mode, seen)
 
 
-def _past_user_mode(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Any) -> Any:
+def _past_user_mode(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Any) -> Any:
     """Note [user modes] in ``hop._transforms``: with only user modes (and modes that
     decline the op) active and real tensors, the backend kernel runs with the modes
     still active, so they see the aten ops inside; below a tracing mode, the user mode
@@ -371,7 +386,7 @@ def _runs_under_modes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return all(type(t) in (_Tensor, torch.nn.Parameter) for t in tensors_in((args, kwargs)))
 
 
-def _under_modes(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Any) -> Any:
+def _under_modes(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Any) -> Any:
     tensors = tensors_in((args, kwargs))
     keys = DispatchKeySet(_K.CPU) if not tensors else torch._C._dispatch_keys(tensors[0])
     for t in tensors[1:]:
@@ -391,7 +406,7 @@ def _under_modes(op: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[st
         _set_excluded(_AUTOGRAD, True)
 
 
-def _all_not_implemented(op: HigherOrderOperator, mode: Any, seen: list[type]) -> HopRuntimeError:
+def _all_not_implemented(op: Operator, mode: Any, seen: list[type]) -> HopRuntimeError:
     """Nothing at the Python key handled the call: the active mode (its rule or its
     ``__torch_dispatch__``) and every tensor subclass returned NotImplemented."""
     name = op.name()
@@ -430,15 +445,13 @@ def _lookup(table: dict[Any, Kernel], cls: type) -> Kernel | None:
     return None
 
 
-def _kernel(
-    op: HigherOrderOperator, key: DispatchKey, what: str = "kernel", target: str = "CompositeExplicitAutograd"
-) -> Kernel:
+def _kernel(op: Operator, key: DispatchKey, what: str = "kernel", target: str = "CompositeExplicitAutograd") -> Kernel:
     """The kernel for ``key`` (direct, alias or CompositeExplicitAutograd), cached per key."""
-    kernel = op._hop_kernels.get(key)
+    kernel: Kernel | None = op._hop_kernels.get(key)
     if kernel is not None:
         return kernel
     try:
-        kernel = op.py_kernels.get(resolve_key(op, key))
+        kernel = op.py_kernels.get(resolve_key(cast(torch._ops.OperatorBase, op), key))
     except NotImplementedError:
         kernel = None
     if kernel is None or isinstance(kernel, DispatchKey):
@@ -454,7 +467,7 @@ def _kernel(
     return kernel
 
 
-def _unsupported_mode(op: HigherOrderOperator, mode: Any) -> UnsupportedModeError:
+def _unsupported_mode(op: Operator, mode: Any) -> UnsupportedModeError:
     name = type(mode).__qualname__
     return UnsupportedModeError(
         format_message(

@@ -4,8 +4,8 @@ Note [watching a call]
 The public functions (``hop.cond``, ...) have eager paths that never reach the
 dispatcher, so its records alone would leave an eager program's trace empty.
 While a sink is installed (``SINKS`` is not empty) each public function diverts,
-with one truthiness test near its top, to :func:`watch`: it opens a
-:class:`Frame`, runs the public function again (:func:`claim` lets that second
+with one truthiness test near its top, to ``hop._observe_calls.watch``: it opens a
+:class:`Frame` (:func:`frame`), runs the public function again (:func:`claim` lets that second
 entry through), and emits one record of kind ``"call"`` when it returns. The code
 the call runs notes what it decided into the innermost frame of its operator
 (:func:`note`, the validation and closure hooks, the dispatcher's records), so the
@@ -31,7 +31,7 @@ from torch._logging import _internal as _torch_logging
 
 from hop.debug import SINKS, DispatchRecord
 
-__all__ = ["SINKS", "claim", "watch", "note", "emit", "structured_on", "artifact"]
+__all__ = ["SINKS", "claim", "frame", "note", "emit", "structured_on", "artifact"]
 
 Fn = Callable[..., Any]
 _LOCAL = threading.local()
@@ -96,26 +96,19 @@ def claim() -> bool:
     return True
 
 
-def watch(op: str, fn: Fn, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
-    """``fn(*args, **kwargs)`` (the public function of ``op``), then one ``"call"`` record."""
+@contextlib.contextmanager
+def frame(op: str) -> Iterator[Frame]:
+    """The frame of one watched public call of ``op``, open while the public function
+    runs again (its :func:`claim` lets that entry through)."""
     frames = _frames()
-    frame = Frame(op, len(frames))
-    frames.append(frame)
+    opened = Frame(op, len(frames))
+    frames.append(opened)
     _LOCAL.reentry = True
-    start = time.perf_counter()
-    error: BaseException | None = None
     try:
-        return fn(*args, **(kwargs or {}))
-    except BaseException as e:
-        error = e
-        raise
+        yield opened
     finally:
-        _LOCAL.reentry = False  # consumed by fn's claim(); never left set
+        _LOCAL.reentry = False  # consumed by the public function's claim(); never left set
         frames.pop()
-        elapsed = (time.perf_counter() - start) * 1e6
-        from hop._observe_calls import call_record
-
-        emit(call_record(frame, args, kwargs or {}, elapsed, error))
 
 
 def note(
@@ -208,23 +201,23 @@ def validation_run() -> Iterator[None]:
         frame.validation, frame.validation_us = "ran", frame.validation_us + us
 
 
-def verdict(key: Any, kind: Any) -> None:
-    """A validation passed and was remembered under ``key`` (its first item: the operator)."""
+def verdict(key: Any, kind: Any, describe: Callable[[Any], str]) -> None:
+    """A validation passed and was remembered under ``key`` (its first item: the
+    operator); ``describe`` puts its output kind in words (validation's, above this module)."""
     if not structured_on():
         return
     op = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else "?"
     us, _LOCAL.last_validation_us = getattr(_LOCAL, "last_validation_us", None), None
-    payload = {"op": op, "verdict": "passed", "output": _kind_str(kind), "us": None if us is None else round(us)}
+    output = _kind_str(kind, describe)
+    payload = {"op": op, "verdict": "passed", "output": output, "us": None if us is None else round(us)}
     artifact(f"hop_validation_{op}", payload)
 
 
-def _kind_str(kind: Any) -> str:
-    from hop._validation import describe_kind
-
+def _kind_str(kind: Any, describe: Callable[[Any], str]) -> str:
     if kind is None:
         return "not checked (cannot run on fake tensors)"
     try:
-        return describe_kind(kind, kind=True)
+        return describe(kind)
     except Exception:  # a kind this version cannot describe: the raw value still says something
         return repr(kind)
 

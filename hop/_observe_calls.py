@@ -1,17 +1,35 @@
-"""The ``"call"`` record of one public call (Note [watching a call] in ``hop._observe``)."""
+"""A public call watched, and its ``"call"`` record (Note [watching a call] in ``hop._observe``)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hop import config
+from hop import _observe, config
 from hop._observe import Frame
+from hop._subgraph import flatten_dropping_none
 from hop.debug import DispatchRecord
 
-__all__ = ["call_record"]
+__all__ = ["call_record", "watch"]
+
+
+def watch(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+    """``fn(*args, **kwargs)`` (the public function of ``op``), then one ``"call"`` record."""
+    start = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        with _observe.frame(op) as frame:
+            return fn(*args, **(kwargs or {}))
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        elapsed = (time.perf_counter() - start) * 1e6
+        _observe.emit(call_record(frame, args, kwargs or {}, elapsed, error))
+
 
 # operators whose public function has a fast path beside its general eager path
 _FAST = ("cond", "switch")
@@ -92,9 +110,7 @@ def _branch(frame: Frame, python: type, what: str, k: int, selector: Any) -> Non
 
 
 def _length(xs: Any, dim: Any) -> int | None:
-    from hop.ops._looping import flatten_dropping_none as flatten
-
-    leaves = [x for x in flatten(xs)[0] if isinstance(x, torch.Tensor)]
+    leaves = [x for x in flatten_dropping_none(xs)[0] if isinstance(x, torch.Tensor)]
     if not leaves or type(dim) is not int or not -leaves[0].dim() <= dim < leaves[0].dim():
         return None
     n = leaves[0].shape[dim]

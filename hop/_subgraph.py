@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from types import BuiltinFunctionType, CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
 
+import optree
 import torch
 import torch.fx
 import torch.utils._cxx_pytree as _pytree  # optree-backed: ~5x faster than _pytree
@@ -70,6 +71,31 @@ def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
 def unflatten(leaves: Sequence[Any], spec: TreeSpec) -> Any:
     """Inverse of :func:`flatten`."""
     return _pytree.tree_unflatten(list(leaves), spec)
+
+
+def flatten_dropping_none(tree: Any) -> tuple[list[Any], Any]:
+    """Leaves and structure, ``None`` an empty subtree (``return carry, None`` has no y),
+    where :func:`flatten` (torch's convention) keeps ``None`` as a leaf; the
+    structure unflattens with :func:`unflatten`."""
+    return optree.tree_flatten(tree, none_is_leaf=False, namespace="torch")
+
+
+def leaf_paths_dropping_none(tree: Any, root: str) -> list[str]:
+    """``root[1]["h"]``-style names of the leaves of ``tree`` in :func:`flatten_dropping_none`'s order."""
+    paths = []
+    for accessor in optree.tree_accessors(tree, none_is_leaf=False, namespace="torch"):
+        path = root
+        for e in accessor:
+            if isinstance(e, optree.NamedTupleEntry):
+                path += f".{e.field}"
+            elif isinstance(e, optree.GetAttrEntry):
+                path += f".{e.name}"
+            elif isinstance(e, optree.MappingEntry) and isinstance(e.entry, str):
+                path += f'["{e.entry}"]'
+            else:
+                path += f"[{e.entry!r}]"
+        paths.append(path)
+    return paths
 
 
 def _key_str(entry: Any) -> str:

@@ -179,7 +179,7 @@ def remember(key: Any, kind: Any = None, *, aliasing: bool = False) -> None:
         ALIASING.add(key)
     else:
         ALIASING.discard(key)
-    _observe.verdict(key, kind)
+    _observe.verdict(key, kind, _describe_output_kind)
 
 
 def _cache_size() -> int:
@@ -278,6 +278,10 @@ def describe_kind(value: Any, *, kind: bool = False) -> str:
     spec, *leaves = k
     shown = ", ".join(leaf(x) for x in leaves)
     return f"{spec.num_leaves} leaves in {_subgraph.unflatten(['*'] * spec.num_leaves, spec)!r} ({shown})"
+
+
+def _describe_output_kind(kind: Any) -> str:
+    return describe_kind(kind, kind=True)
 
 
 def known_kind(key: Any, out: Any) -> bool:

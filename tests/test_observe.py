@@ -10,7 +10,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hop
-from hop import _observe
+from hop import _observe, _observe_calls
 from hop.debug import DispatchRecord
 from hop.errors import HopRuntimeError, HopTypeError
 
@@ -182,7 +182,7 @@ def test_without_a_sink_no_call_is_watched(monkeypatch: pytest.MonkeyPatch) -> N
     def never(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a call was watched with no sink installed")
 
-    monkeypatch.setattr(_observe, "watch", never)
+    monkeypatch.setattr(_observe_calls, "watch", never)
     x = torch.ones(2, 2)
     hop.cond(torch.tensor(True), torch.sin, torch.cos, (x,))
     hop.switch(torch.tensor(0), [torch.sin], (x,))

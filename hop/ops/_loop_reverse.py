@@ -42,10 +42,12 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
 from hop import _transforms
+from hop._operator import HigherOrderOperator
 from hop.errors import HopRuntimeError, format_message
 from hop.ops import _looping
 from hop.ops._branching import as_tuple
 from hop.ops._common import differentiable
+from hop.ops.scan import scan_op
 
 __all__ = ["count_trips", "gradients"]
 
@@ -54,14 +56,11 @@ _Tensor = torch.Tensor
 _check: Callable[..., None] = torch._check  # untyped in torch
 
 
-def _op() -> Any:
-    from hop.ops.while_loop import while_loop_op  # while_loop imports this module
-
-    return while_loop_op
-
-
-def count_trips(cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], extra: Sequence[Any]) -> tuple[Any, ...]:
-    """``(trips, *final_carry)``: the loop, counting its iterations in an int64 tensor."""
+def count_trips(
+    loop: HigherOrderOperator, cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], extra: Sequence[Any]
+) -> tuple[Any, ...]:
+    """``(trips, *final_carry)``: the loop (``loop``: while_loop's raw op), counting its
+    iterations in an int64 tensor."""
     zero = torch.zeros((), dtype=torch.int64, device=_device(carried))
 
     def count_cond(k: Any, *a: Any) -> Any:
@@ -72,10 +71,11 @@ def count_trips(cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], extra: Sequenc
 
     count_cond.__wrapped__ = cond_fn  # type: ignore[attr-defined]
     count_body.__wrapped__ = body_fn  # type: ignore[attr-defined]
-    return as_tuple(_op()(count_cond, count_body, (zero, *carried), tuple(extra)))
+    return as_tuple(loop(count_cond, count_body, (zero, *carried), tuple(extra)))
 
 
 def gradients(
+    loop: HigherOrderOperator,
     body_fn: Fn,
     carried: list[Any],
     extra: list[Any],
@@ -87,11 +87,12 @@ def gradients(
 ) -> tuple[list[Any], list[Any]]:
     """The gradients of every carry and additional input (None where not differentiable),
     given ``g_carry`` for the final carry (None where not differentiable); Note [reverse
-    mode of a traced loop] chooses the method."""
+    mode of a traced loop] chooses the method. ``loop`` is while_loop's raw op, which
+    the recomputing methods run."""
     if _untracked(trips):
         raise _export_backward_error()
     if not fixed_sizes or not _count_is_traceable([*carried, *extra, trips]):
-        return _recompute(body_fn, carried, extra, trips, g_carry)
+        return _recompute(loop, body_fn, carried, extra, trips, g_carry)
     n_t = _longest(trips)
     if _transforms.is_concrete(n_t) and int(n_t) == 0:  # torch.func, eager: nothing ran, nothing to pull through
         return g_carry, [torch.zeros_like(x) if differentiable(x) else None for x in extra]
@@ -100,7 +101,7 @@ def gradients(
     if _raw(trips).dim():
         step, extra = _masked(step, nc), [*extra, trips]
     if checkpoint:
-        g = _segments(step, carry_t, extra, n_t, g_carry)
+        g = _segments(loop, step, carry_t, extra, n_t, g_carry)
     else:
         g = _stacked(step, carry_t, extra, _size(n_t), g_carry)
     return g[:nc], g[nc : nc + ne]
@@ -221,12 +222,14 @@ def _stacked(step: Fn, carried: list[Any], extra: list[Any], n: Any, g_carry: li
     ``arange(n)``, differentiated by scan's own backward (Note [reverse mode of a traced loop])."""
     steps = torch.arange(n, device=_device(carried))
     out_diff = [g is not None for g in g_carry]
-    g = _looping.scan_vjp(step, carried, [steps], extra, False, g_carry, out_diff)
+    g = _looping.scan_vjp(scan_op, step, carried, [steps], extra, False, g_carry, out_diff)
     nc = len(carried)
     return [*g[:nc], *g[nc + 1 :]]
 
 
-def _segments(step: Fn, carried: list[Any], extra: list[Any], n_t: _Tensor, g_carry: list[Any]) -> list[Any]:
+def _segments(
+    loop: HigherOrderOperator, step: Fn, carried: list[Any], extra: list[Any], n_t: _Tensor, g_carry: list[Any]
+) -> list[Any]:
     """Gradients of ``(*carried, *extra)`` through ``n_t`` steps, keeping the carry before
     every segment of about sqrt(n) steps and replaying one segment at a time (Note
     [reverse mode of a traced loop])."""
@@ -237,7 +240,7 @@ def _segments(step: Fn, carried: list[Any], extra: list[Any], n_t: _Tensor, g_ca
     count = _size((n_t + seg_t - 1) // seg_t)
     segments = torch.arange(count, device=_device(carried))
     sizes = (seg_t, n_t)  # every scan body reads them as inputs, never by closure
-    starts = as_tuple(scan_op(_run_segment(step, nc), carried, (segments,), (*extra, *sizes), False))[nc:]
+    starts = as_tuple(scan_op(_run_segment(loop, step, nc), carried, (segments,), (*extra, *sizes), False))[nc:]
     d_c = [i for i, g in enumerate(g_carry) if g is not None]
     d_e = [i for i, x in enumerate(extra) if differentiable(x)]
     init = (*[g_carry[i] for i in d_c], *[torch.zeros_like(extra[i]) for i in d_e])
@@ -253,7 +256,7 @@ def _bounds(k: _Tensor, seg_t: _Tensor, n_t: _Tensor) -> tuple[_Tensor, _Tensor]
     return start, torch.minimum(seg_t, n_t - start)
 
 
-def _run_segment(step: Fn, nc: int) -> Fn:
+def _run_segment(loop: HigherOrderOperator, step: Fn, nc: int) -> Fn:
     """Scan body ``(*carry, k, *extra, seg_t, n_t) -> (*carry after segment k, *carry before it)``."""
 
     def run_segment(*a: Any) -> tuple[Any, ...]:
@@ -267,7 +270,7 @@ def _run_segment(step: Fn, nc: int) -> Fn:
             return (j + 1, *as_tuple(step(*b[:nc], b[-2] + j, *b[nc:-2])))
 
         zero = torch.zeros_like(start)
-        out = as_tuple(_op()(cond, body, (zero, *carry), (*extra, start, length)))
+        out = as_tuple(loop(cond, body, (zero, *carry), (*extra, start, length)))
         return (*out[1:], *carry)
 
     return run_segment
@@ -286,7 +289,7 @@ def _segment_vjp(step: Fn, nc: int, d_c: list[int], d_e: list[int]) -> Fn:
         steps = torch.arange(_size(length), device=k.device) + start
         g_full = _transforms.place([None] * nc, d_c, g)
         out_diff = [x is not None for x in g_full]
-        pulled = _looping.scan_vjp(step, start_carry, [steps], extra, False, g_full, out_diff)
+        pulled = _looping.scan_vjp(scan_op, step, start_carry, [steps], extra, False, g_full, out_diff)
         g_extra = pulled[nc + 1 :]
         return (*[pulled[i] for i in d_c], *[s + g_extra[i] for s, i in zip(acc, d_e, strict=True)])
 
@@ -294,7 +297,7 @@ def _segment_vjp(step: Fn, nc: int, d_c: list[int], d_e: list[int]) -> Fn:
 
 
 def _recompute(
-    body_fn: Fn, carried: list[Any], extra: list[Any], trips: _Tensor, g_carry: list[Any]
+    loop: HigherOrderOperator, body_fn: Fn, carried: list[Any], extra: list[Any], trips: _Tensor, g_carry: list[Any]
 ) -> tuple[list[Any], list[Any]]:
     """Note [reverse mode of a traced loop], ``recompute``: O(n^2) body runs, constant memory."""
     n, e = len(carried), len(extra)
@@ -314,7 +317,7 @@ def _recompute(
         def replay_body(j: Any, *b: Any) -> tuple[Any, ...]:
             return (j + 1, *as_tuple(body_fn(*b[:n], *b[n : n + e])))
 
-        replay = as_tuple(_op()(replay_cond, replay_body, (torch.zeros_like(k), *init), (*ext, k - 1)))
+        replay = as_tuple(loop(replay_cond, replay_body, (torch.zeros_like(k), *init), (*ext, k - 1)))
         before = list(replay[1:])
 
         def one_step(*d: Any) -> tuple[Any, ...]:
@@ -328,7 +331,7 @@ def _recompute(
         return (k - 1, *pulled[:m], *[a + b for a, b in zip(gs[m:], pulled[m:], strict=True)])
 
     init = (trips, *[g_carry[i] for i in d_carry], *[torch.zeros_like(extra[i]) for i in d_extra])
-    out = as_tuple(_op()(sweep_cond, sweep, init, (*carried, *extra)))
+    out = as_tuple(loop(sweep_cond, sweep, init, (*carried, *extra)))
     return _transforms.place([None] * n, d_carry, out[1 : 1 + m]), _transforms.place([None] * e, d_extra, out[1 + m :])
 
 

@@ -34,6 +34,7 @@ from torch._C._functorch import _add_batch_dim
 
 from hop import _subgraph, _transforms, _validation
 from hop._operator import HigherOrderOperator
+from hop._subgraph import flatten_dropping_none, leaf_paths_dropping_none
 from hop._unbacked import assert_ranges, per_step_sizes, rebind_sizes, recording, run_in_subgraph
 from hop.errors import (
     HopRuntimeError,
@@ -63,36 +64,12 @@ class Looping:
     # the raw op from (body, init, xs, additional, reverse), and its node's arguments
     call: Callable[[Fn, Sequence[Any], Sequence[Any], Sequence[Any], bool], Any]
     node_args: Callable[[Any, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], bool], tuple[Any, ...]]
+    scan: HigherOrderOperator  # the raw scan its reverse mode runs (map's too: its derivative is a scan)
 
 
 def pack(flat: Sequence[Any]) -> Any:
     """The raw ops' output convention: a bare value for one leaf, else a tuple."""
     return flat[0] if len(flat) == 1 else tuple(flat)
-
-
-def flatten_dropping_none(tree: Any) -> tuple[list[Any], Any]:
-    """Leaves and structure, ``None`` an empty subtree (``return carry, None`` has no y),
-    where ``_subgraph.flatten`` (torch's convention) keeps ``None`` as a leaf; the
-    structure unflattens with ``_subgraph.unflatten``."""
-    return optree.tree_flatten(tree, none_is_leaf=False, namespace="torch")
-
-
-def leaf_paths_dropping_none(tree: Any, root: str) -> list[str]:
-    """``root[1]["h"]``-style names of the leaves of ``tree`` in :func:`flatten_dropping_none`'s order."""
-    paths = []
-    for accessor in optree.tree_accessors(tree, none_is_leaf=False, namespace="torch"):
-        path = root
-        for e in accessor:
-            if isinstance(e, optree.NamedTupleEntry):
-                path += f".{e.field}"
-            elif isinstance(e, optree.GetAttrEntry):
-                path += f".{e.name}"
-            elif isinstance(e, optree.MappingEntry) and isinstance(e.entry, str):
-                path += f'["{e.entry}"]'
-            else:
-                path += f"[{e.entry!r}]"
-        paths.append(path)
-    return paths
 
 
 # --- argument checks -----------------------------------------------------------------------------
@@ -724,7 +701,8 @@ class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         init, xs, additional = _split(saved_operands(ctx), ctx.counts)
-        return (None, None, None, None, *scan_vjp(ctx.body, init, xs, additional, ctx.reverse, grads, ctx.out_diff))
+        grads_in = scan_vjp(ctx.L.scan, ctx.body, init, xs, additional, ctx.reverse, grads, ctx.out_diff)
+        return (None, None, None, None, *grads_in)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -738,6 +716,7 @@ def _split(operands: Sequence[Any], counts: tuple[int, int, int]) -> tuple[list[
 
 
 def scan_vjp(
+    scan_op: HigherOrderOperator,
     body: Fn,
     init: list[Any],
     xs: list[Any],
@@ -749,8 +728,6 @@ def scan_vjp(
     """Gradients of every operand: a scan in the other direction over the stacked input
     carries (recomputed by a forward scan), ``xs`` and the cotangents of ``ys``; its carry
     is the cotangent of the carry and the running sum of the gradients of the additional inputs."""
-    from hop.ops.scan import scan_op
-
     nc = len(init)
     dc, dx, da = differentiable_at(init), differentiable_at(xs), differentiable_at(additional)
     dy = [j for j in range(len(grads) - nc) if out_diff[nc + j]]

@@ -36,7 +36,7 @@ from torch._C._functorch import TransformType, _add_batch_dim
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _reference, _subgraph, _transforms
+from hop import _observe, _observe_calls, _reference, _subgraph, _transforms
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
@@ -44,7 +44,7 @@ from hop.ops import _common
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
 from hop.ops._common import differentiable, save_operands, saved_operands
-from hop.ops.scan import SCAN
+from hop.ops.scan import SCAN, scan_op
 
 __all__ = ["associative_scan", "associative_scan_op"]
 
@@ -87,9 +87,9 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return associative_scan_op(DYNAMO_CALL, associative_scan, combine_fn, xs, dim, reverse, combine_mode)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe.watch(_NAME, associative_scan, (combine_fn, xs, dim, reverse, combine_mode))
+        return _observe_calls.watch(_NAME, associative_scan, (combine_fn, xs, dim, reverse, combine_mode))
     check_options(combine_fn, reverse, combine_mode)
-    leaves, spec = lp.flatten_dropping_none(xs)
+    leaves, spec = _subgraph.flatten_dropping_none(xs)
     dims, n = lp.check_xs(_NAME, xs, leaves, dim)
     moved = [x.movedim(d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
     moved = [x.flip(0) for x in moved] if reverse else moved
@@ -318,7 +318,7 @@ class _Function(torch.autograd.Function):
         g_ys = [g[1:] if d else None for g, d in zip(grads, diff, strict=True)]
         zeros = [torch.zeros_like(i) if d else None for i, d in zip(init, diff, strict=True)]
         rest = [x[1:] for x in xs]
-        g = lp.scan_vjp(_sequential(ctx.combine_fn), init, rest, additional, False, (*zeros, *g_ys), diff * 2)
+        g = lp.scan_vjp(scan_op, _sequential(ctx.combine_fn), init, rest, additional, False, (*zeros, *g_ys), diff * 2)
         g_xs = [
             None if gi is None else torch.cat([(gi + g0[0]).unsqueeze(0), gr])
             for gi, gr, g0 in zip(g[:nx], g[nx : 2 * nx], grads, strict=True)

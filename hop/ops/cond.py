@@ -17,7 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _reference
+from hop import _observe, _observe_calls, _reference
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, functorch_level, is_dynamo_compiling, mode_stack_len, tf_mode_enabled
@@ -80,7 +80,7 @@ def cond(
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return cond_op(DYNAMO_CALL, cond, pred, true_fn, false_fn, operands)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe.watch("cond", cond, (pred, true_fn, false_fn, operands))
+        return _observe_calls.watch("cond", cond, (pred, true_fn, false_fn, operands))
     if type(pred) is bool:
         for role, fn in (("true_fn", true_fn), ("false_fn", false_fn)):
             if not callable(fn):

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from hop import _observe, _reference, _subgraph, _transforms
+from hop import _observe, _observe_calls, _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops.while_loop import while_loop, while_loop_op
@@ -52,7 +52,7 @@ def fori_loop(
     if _transforms.is_dynamo_compiling():  # Note [public functions under Dynamo]; the op is a while_loop
         return while_loop_op(_transforms.DYNAMO_CALL, fori_loop, lower, upper, body_fn, init_val)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe.watch(_NAME, fori_loop, (lower, upper, body_fn, init_val))
+        return _observe_calls.watch(_NAME, fori_loop, (lower, upper, body_fn, init_val))
     if not callable(body_fn):
         raise HopTypeError(
             format_message(_NAME, f"body_fn must be callable, got {type_name(body_fn)}"), op=_NAME, role="body_fn"

@@ -17,11 +17,12 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _reference, _subgraph
+from hop import _observe, _observe_calls, _reference, _subgraph
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
+from hop.ops.scan import scan_op
 
 __all__ = ["map", "map_op"]
 
@@ -56,10 +57,10 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return map_op(DYNAMO_CALL, map, f, xs, *args)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe.watch("map", map, (f, xs, *args))
+        return _observe_calls.watch("map", map, (f, xs, *args))
     lp.check_callable("map", "f", f)
-    xs_leaves, xs_spec = lp.flatten_dropping_none(xs)
-    arg_leaves, args_spec = lp.flatten_dropping_none(args)
+    xs_leaves, xs_spec = _subgraph.flatten_dropping_none(xs)
+    arg_leaves, args_spec = _subgraph.flatten_dropping_none(args)
     dims, n = lp.check_xs("map", xs, xs_leaves, 0)
     lp.check_leaves("map", "args", args, arg_leaves, ints=True)
     if lp.runs_inline(n, xs_leaves, arg_leaves):
@@ -79,7 +80,7 @@ def _empty_map(f: Fn, xs_leaves: list[Any], xs_spec: Any, arg_leaves: list[Any],
 
     def run(fake: list[Any]) -> list[Any]:
         out = body(*lp.empty_slices(xs_leaves, [0] * len(xs_leaves)), *fake)
-        lp.check_static(MAP, f, out, lp.leaf_paths_dropping_none(_subgraph.unflatten(out, y_spec[0]), "output"))
+        lp.check_static(MAP, f, out, _subgraph.leaf_paths_dropping_none(_subgraph.unflatten(out, y_spec[0]), "output"))
         return [(y.shape, y.dtype, y.device) for y in out]
 
     metas = lp.on_fake(MAP, f, passed, run)
@@ -102,7 +103,7 @@ def _flat_body(f: Fn, xs_spec: Any, args_spec: Any, arg_leaves: list[Any]) -> tu
         error = lp.ys_error(MAP, f, [out], 0, "output")
         if error is not None:
             raise error
-        y_leaves, y_spec[0] = lp.flatten_dropping_none(out)
+        y_leaves, y_spec[0] = _subgraph.flatten_dropping_none(out)
         return tuple(y_leaves)
 
     body.__qualname__ = getattr(f, "__qualname__", type(f).__qualname__)
@@ -122,7 +123,7 @@ def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: 
     return (gm, xs, additional)
 
 
-MAP = lp.Looping(name="map", op=map_op, role="f", call=_call, node_args=_node_args)
+MAP = lp.Looping(name="map", op=map_op, role="f", call=_call, node_args=_node_args, scan=scan_op)
 
 
 @map_op.py_impl(DispatchKey.CompositeExplicitAutograd)

@@ -18,7 +18,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _reference, _subgraph
+from hop import _observe, _observe_calls, _reference, _subgraph
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, format_message, type_name
@@ -77,15 +77,15 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
         return result
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
         kwargs = {"dim": dim, "reverse": reverse}
-        watched: tuple[Any, Any] = _observe.watch("scan", scan, (combine_fn, init, xs), kwargs)
+        watched: tuple[Any, Any] = _observe_calls.watch("scan", scan, (combine_fn, init, xs), kwargs)
         return watched
     lp.check_callable("scan", "combine_fn", combine_fn)
     if type(reverse) is not bool:
         raise HopTypeError(
             format_message("scan", f"reverse must be a bool, got {type_name(reverse)}"), op="scan", role="reverse"
         )
-    init_leaves, init_spec = lp.flatten_dropping_none(init)
-    xs_leaves, xs_spec = lp.flatten_dropping_none(xs)
+    init_leaves, init_spec = _subgraph.flatten_dropping_none(init)
+    xs_leaves, xs_spec = _subgraph.flatten_dropping_none(xs)
     lp.check_leaves("scan", "init", init, init_leaves)
     if not xs_leaves and type(dim) is int:  # nothing to scan over: a Python loop over nothing
         return no_steps(init, xs)
@@ -130,7 +130,7 @@ def _scan_inline(
         carry, ys[i] = out
     if n > 1:  # the first iteration was checked; a later one may change the carry's structure
         leaves = lp.check_carry(SCAN, combine_fn, init, carry)
-    init_leaves, init_spec = lp.flatten_dropping_none(init)
+    init_leaves, init_spec = _subgraph.flatten_dropping_none(init)
     final = _subgraph.unflatten(lp.no_alias(leaves, [*init_leaves, *xs_leaves]), init_spec)
     return final, lp.stack_ys(SCAN, combine_fn, ys, dim, "y")
 
@@ -139,13 +139,15 @@ def _empty_scan(
     combine_fn: Fn, init: Any, xs_leaves: list[Any], xs_spec: Any, dims: list[int], dim: int
 ) -> tuple[Any, Any]:
     """Length 0: ``init`` (cloned) and empty ``ys``, shaped by running ``combine_fn`` once on fake tensors."""
-    init_leaves, init_spec = lp.flatten_dropping_none(init)
+    init_leaves, init_spec = _subgraph.flatten_dropping_none(init)
 
     def run(fake: list[Any]) -> Any:
         out = _flat_body(combine_fn, init_spec, xs_spec, dim)
         flat = out[0](*fake, *lp.empty_slices(xs_leaves, dims))
         ys = flat[len(fake) :]
-        lp.check_static(SCAN, combine_fn, ys, lp.leaf_paths_dropping_none(_subgraph.unflatten(ys, out[1][0]), "y"))
+        lp.check_static(
+            SCAN, combine_fn, ys, _subgraph.leaf_paths_dropping_none(_subgraph.unflatten(ys, out[1][0]), "y")
+        )
         return [(y.shape, y.dtype, y.device) for y in ys], out[1][0]
 
     metas, spec = lp.on_fake(SCAN, combine_fn, init_leaves, run)
@@ -170,7 +172,7 @@ def _flat_body(combine_fn: Fn, init_spec: Any, xs_spec: Any, dim: int) -> tuple[
         error = lp.ys_error(SCAN, combine_fn, [out[1]], dim, "y")
         if error is not None:
             raise error
-        y_leaves, y_spec[0] = lp.flatten_dropping_none(out[1])
+        y_leaves, y_spec[0] = _subgraph.flatten_dropping_none(out[1])
         return (*carry_leaves, *y_leaves)
 
     body.__qualname__ = getattr(combine_fn, "__qualname__", type(combine_fn).__qualname__)
@@ -189,7 +191,7 @@ def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: 
     return (gm, init, xs, additional, r)
 
 
-SCAN = lp.Looping(name="scan", op=scan_op, role="combine_fn", call=_call, node_args=_node_args)
+SCAN = lp.Looping(name="scan", op=scan_op, role="combine_fn", call=_call, node_args=_node_args, scan=scan_op)
 
 
 @scan_op.py_impl(DispatchKey.CompositeExplicitAutograd)

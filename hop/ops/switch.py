@@ -17,7 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _reference
+from hop import _observe, _observe_calls, _reference
 from hop._operator import HigherOrderOperator
 from hop._transforms import (
     DYNAMO_CALL,
@@ -81,7 +81,7 @@ def switch(
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return switch_op(DYNAMO_CALL, switch, index, branches, operands)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe.watch("switch", switch, (index, branches, operands))
+        return _observe_calls.watch("switch", switch, (index, branches, operands))
     if (
         type(index) is _Tensor
         and type(operands) is tuple

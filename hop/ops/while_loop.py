@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from hop import _observe, _reference, _subgraph, _transforms
+from hop import _observe, _observe_calls, _reference, _subgraph, _transforms
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording, trial_run
@@ -87,7 +87,7 @@ def while_loop(
         dynamo_call = _transforms.DYNAMO_CALL
         return while_loop_op(dynamo_call, while_loop, cond_fn, body_fn, carried_inputs, checkpoint=checkpoint)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe.watch(_NAME, while_loop, (cond_fn, body_fn, carried_inputs), {"checkpoint": checkpoint})
+        return _observe_calls.watch(_NAME, while_loop, (cond_fn, body_fn, carried_inputs), {"checkpoint": checkpoint})
     _check_arguments(cond_fn, body_fn, carried_inputs)
     _checkpoint.check_flag(checkpoint)
     leaves, spec = _subgraph.flatten(tuple(carried_inputs))
@@ -547,7 +547,7 @@ class _LoopFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(cond_fn: Fn, body_fn: Fn, n: int, checkpoint: bool, *args: Any) -> Any:
-        return _loop_reverse.count_trips(cond_fn, body_fn, args[:n], args[n:])
+        return _loop_reverse.count_trips(while_loop_op, cond_fn, body_fn, args[:n], args[n:])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -572,7 +572,14 @@ class _LoopFunction(torch.autograd.Function):
             for x, s, g in zip(carried, ctx.final_shapes, grads[1:], strict=True)
         ]
         g_c, g_e = _loop_reverse.gradients(
-            ctx.body_fn, carried, extra, trips, g_carry, fixed_sizes=ctx.fixed_sizes, checkpoint=ctx.checkpoint
+            while_loop_op,
+            ctx.body_fn,
+            carried,
+            extra,
+            trips,
+            g_carry,
+            fixed_sizes=ctx.fixed_sizes,
+            checkpoint=ctx.checkpoint,
         )
         return (None, None, None, None, *g_c, *g_e)
 
