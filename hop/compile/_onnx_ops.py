@@ -66,8 +66,10 @@ class _Nodes:
         return self._add(node, op_type.lower())
 
     def call(self, fn: ir.Function, inputs: Sequence[ir.Value]) -> Sequence[ir.Value]:
-        """A call of the subgraph ``fn``."""
+        """A call of the subgraph ``fn``, its outputs typed as ``fn`` declares them."""
         node = ir.Node(fn.domain, fn.name, inputs, num_outputs=len(fn.outputs), overload=fn.overload)
+        for out, declared in zip(node.outputs, fn.outputs, strict=True):
+            out.shape, out.type = declared.shape, declared.type
         return self._add(node, fn.name)
 
     def const(self, value: Any, dtype: Any = np.int64) -> ir.Value:
@@ -93,12 +95,14 @@ def _attr(name: str, value: Any) -> ir.Attr:
     return ir.AttrTensor(name, value)
 
 
-def _like(value: ir.Value, role: str, *, slice_of: bool = False) -> ir.Value:
-    """A fresh subgraph input typed as ``value`` (one slice of it along dim 0 if ``slice_of``)."""
-    shape = value.shape
-    if shape is not None and slice_of:
-        shape = ir.Shape(list(shape)[1:])
-    return ir.Value(name=_name(role), shape=shape, type=value.type)
+def _fresh(like: Sequence[ir.Value], role: str) -> list[ir.Value]:
+    """New inputs of a loop's body, typed as ``like`` (a traced subgraph's inputs: a
+    carry that grows has a symbolic size there)."""
+    return [ir.Value(name=_name(role), shape=v.shape, type=v.type) for v in like]
+
+
+def _scalar(role: str, dtype: ir.DataType) -> ir.Value:
+    return ir.Value(name=_name(role), shape=ir.Shape([]), type=ir.TensorType(dtype))
 
 
 def _pack(outputs: Sequence[ir.Value]) -> Outputs:
@@ -188,9 +192,8 @@ def translate_while_loop(
     extra = _values(nodes, additional, body_fn, len(init), "while_loop")
     (go,) = nodes.call(cond_fn, [*init, *extra])
     body = _Nodes()
-    step = ir.Value(name=_name("step"), shape=ir.Shape([]), type=ir.TensorType(ir.DataType.INT64))
-    going = ir.Value(name=_name("going"), shape=ir.Shape([]), type=ir.TensorType(ir.DataType.BOOL))
-    inputs = [_like(c, "carry") for c in init]
+    step, going = _scalar("step", ir.DataType.INT64), _scalar("going", ir.DataType.BOOL)  # a Loop body's first inputs
+    inputs = _fresh(body_fn.inputs[: len(init)], "carry")
     new = body.call(body_fn, [*inputs, *extra])
     (again,) = body.call(cond_fn, [*new, *extra])
     graph = body.graph([step, going, *inputs], [again, *new], "while_body")
@@ -225,28 +228,26 @@ def _scan(
     init: Sequence[ir.Value],
     xs: Sequence[ir.Value],
     step_fn: Step,
-    declared: Sequence[ir.Value],
+    carries: Sequence[ir.Value],
+    ys: Sequence[ir.Value],
     reverse: bool,
     op: str,
 ) -> list[ir.Value]:
-    """Note [scans as ONNX loops]: ``step_fn`` returns the new carries, then the ys,
-    typed as ``declared``."""
+    """Note [scans as ONNX loops]: ``step_fn`` returns the new carries, then the ys;
+    ``carries`` and ``ys`` are values typed as they are in the body."""
     if not xs:
         raise CompileUnsupported(format_message(op, "ONNX export of a scan over no xs"), op=op)
     length = _length(nodes, xs[0])
     k = len(init)
-    if not all(_static(y.shape) for y in declared[k:]):
+    if not all(_static(y.shape) for y in ys):
         length = _fail_if_zero(nodes, length)
     body = _Nodes()
-    step = ir.Value(name=_name("step"), shape=ir.Shape([]), type=ir.TensorType(ir.DataType.INT64))
-    going = ir.Value(name=_name("going"), shape=ir.Shape([]), type=ir.TensorType(ir.DataType.BOOL))
-    states = [_like(c, "carry") for c in init]
+    step, going = _scalar("step", ir.DataType.INT64), _scalar("going", ir.DataType.BOOL)  # a Loop body's first inputs
+    states = _fresh(carries, "carry")
     at = body.op("Sub", [body.op("Sub", [length, body.const(1)])[0], step])[0] if reverse else step
     slices = [body.op("Gather", [x, at], axis=0)[0] for x in xs]
     outs = step_fn(body, states, slices)
-    for out, like in zip(outs, declared, strict=True):
-        out.shape, out.type = like.shape, like.type
-    graph = body.graph([step, going, *states], [body.op("Identity", [going])[0], *_distinct(body, outs)], f"{op}_body")
+    graph = body.graph([step, going, *states], [body.op("Identity", [going])[0], *outs], f"{op}_body")
     always = nodes.const(True, np.bool_)  # (an omitted condition input would drop off a Loop without carries)
     result = list(nodes.op("Loop", [length, always, *init], len(outs), body=graph))
     if reverse:
@@ -270,29 +271,21 @@ def _fail_if_zero(nodes: _Nodes, length: ir.Value) -> ir.Value:
     return nodes.op("Add", [length, nodes.op("Gather", [nodes.const([0]), is_zero])[0]])[0]
 
 
-def _distinct(nodes: _Nodes, outputs: Sequence[ir.Value]) -> list[ir.Value]:
-    """``outputs`` with repeats copied: a graph's outputs are distinct values."""
-    seen: set[int] = set()
-    out = []
-    for v in outputs:
-        out.append(nodes.op("Identity", [v])[0] if id(v) in seen else v)
-        seen.add(id(v))
-    return out
-
-
 def translate_scan(
     body_fn: ir.Function, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
 ) -> Outputs:
     nodes = _Nodes(outer=True)
     carries = _values(nodes, init, body_fn, 0, "scan")
     extra = _values(nodes, additional, body_fn, len(carries) + len(xs), "scan")
-    return _pack(_scan(nodes, carries, list(xs), _calls(body_fn, extra), body_fn.outputs, bool(reverse), "scan"))
+    k = len(carries)
+    step = _calls(body_fn, extra)
+    return _pack(_scan(nodes, carries, list(xs), step, body_fn.inputs[:k], body_fn.outputs[k:], bool(reverse), "scan"))
 
 
 def translate_map(body_fn: ir.Function, xs: Sequence[Any], additional: Sequence[Any]) -> Outputs:
     nodes = _Nodes(outer=True)
     extra = _values(nodes, additional, body_fn, len(xs), "map")
-    return _pack(_scan(nodes, [], list(xs), _calls(body_fn, extra), body_fn.outputs, False, "map"))
+    return _pack(_scan(nodes, [], list(xs), _calls(body_fn, extra), [], body_fn.outputs, False, "map"))
 
 
 def translate_associative_scan(
@@ -314,10 +307,13 @@ def translate_associative_scan(
 
     def combine(body: _Nodes, acc: Sequence[ir.Value], x: Sequence[ir.Value]) -> Sequence[ir.Value]:
         new = body.call(combine_fn, [*acc, *x, *extra])
-        return [*new, *(body.op("Identity", [v])[0] for v in new)]
+        copies = [body.op("Identity", [v])[0] for v in new]  # a graph's outputs are distinct values
+        for copy, v in zip(copies, new, strict=True):
+            copy.shape, copy.type = v.shape, v.type
+        return [*new, *copies]
 
-    declared = [*combine_fn.outputs, *combine_fn.outputs]
-    ys = _scan(seq, heads, rests, combine, declared, False, "associative_scan")[len(xs) :]
+    accumulators, combined = combine_fn.inputs[: len(xs)], combine_fn.outputs
+    ys = _scan(seq, heads, rests, combine, accumulators, combined, False, "associative_scan")[len(xs) :]
     outs = [seq.op("Concat", [f, y], axis=0)[0] for f, y in zip(firsts, ys, strict=True)]
     sequential = seq.graph([], outs, "sequential")
     return _pack(nodes.op("If", [short], len(xs), then_branch=same, else_branch=sequential))

@@ -103,6 +103,13 @@ class CondSizes(torch.nn.Module):
         return hop.cond(x.sum() > 0, lambda a: a[:2] * 2, lambda a: a.sin(), (x,))
 
 
+class CondInt(torch.nn.Module):
+    """An int output, a size the Dim makes symbolic."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return hop.cond(x.sum() > 0, lambda a: (a * 2, a.shape[0]), lambda a: (a, a.shape[0] + 1), (x,))
+
+
 class Switch(torch.nn.Module):
     def forward(self, i: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return hop.switch(i, [lambda a: a + 1, lambda a: a * 2, lambda a: a.exp()], (x,))
@@ -194,10 +201,18 @@ def _rows(*lengths: int, width: int = 3) -> list[Inputs]:
 
 
 N = Dim("n")
+ROWS = {0: N}  # a dynamic dim 0
 # name: (program, example, other inputs, dynamic shapes, the ONNX control flow expected)
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], Inputs, list[Inputs], Any, set[str]]] = {
     "cond": (CondTree, (torch.ones(3), torch.zeros(3)), [(torch.zeros(3), torch.ones(3))], None, {"If"}),
     "cond_sizes": (CondSizes, (torch.ones(4),), [(-torch.ones(4),)], None, {"If"}),
+    "cond_int": (
+        CondInt,
+        (torch.ones(4),),
+        [(-torch.ones(4),), (torch.ones(7),), (-torch.ones(2),)],
+        (ROWS,),
+        {"If"},
+    ),
     "switch": (
         Switch,
         (torch.tensor(1), torch.randn(3)),
@@ -220,9 +235,9 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], Inputs, list[Inputs], Any,
         None,
         {"Loop"},
     ),
-    "scan": (ScanTree, (torch.randn(4, 3),), _rows(7, 1, 0), ({0: N},), {"Loop"}),
-    "map": (Map, (torch.randn(4, 3),), _rows(9, 1, 0), ({0: N},), {"Loop"}),
-    "associative_scan": (Cumsum, (torch.randn(5, 2),), _rows(8, 2, 1, 0, width=2), ({0: N},), {"Loop", "If"}),
+    "scan": (ScanTree, (torch.randn(4, 3),), _rows(7, 1, 0), (ROWS,), {"Loop"}),
+    "map": (Map, (torch.randn(4, 3),), _rows(9, 1, 0), (ROWS,), {"Loop"}),
+    "associative_scan": (Cumsum, (torch.randn(5, 2),), _rows(8, 2, 1, 0, width=2), (ROWS,), {"Loop", "If"}),
     "associative_scan_generic": (
         CumprodTree,
         (torch.randn(2, 5),),
@@ -234,7 +249,7 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], Inputs, list[Inputs], Any,
         Nested,
         (torch.randn(4, 3),),
         [(torch.randn(6, 3),), (torch.randn(2, 3) * 5,)],
-        ({0: N},),
+        (ROWS,),
         {"Loop", "If"},
     ),
 }
@@ -267,7 +282,7 @@ def test_exports_from_an_exported_program(name: str) -> None:
 def test_a_saved_file_runs_in_a_fresh_onnxruntime(tmp_path: Any) -> None:
     model = Map().eval()
     path = tmp_path / "map.onnx"
-    _export(model, (torch.randn(4, 3),), ({0: N},)).save(str(path))
+    _export(model, (torch.randn(4, 3),), (ROWS,)).save(str(path))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     _check(session, model, (torch.randn(6, 3),))
 
@@ -294,6 +309,17 @@ def test_a_scan_of_dynamic_step_shape_fails_at_length_zero() -> None:
     _check(session, model, (torch.randn(2, 5),))
     with pytest.raises(Exception, match="out of data bounds"):
         _run(session, (torch.randn(0, 5),))
+
+
+def test_a_branch_returning_a_constant_int_is_refused_by_the_exporter() -> None:
+    # torch's exporter cannot translate a subgraph that returns a Python int (docs/deploy.md's limits):
+    # it raises, it writes no file
+    class Constant(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            return hop.cond(x.sum() > 0, lambda a: (a * 2, 3), lambda a: (a, 4), (x,))
+
+    with pytest.raises(Exception, match="Failed to convert the exported program"):
+        _export(Constant(), (torch.ones(3),))
 
 
 def test_translations_cover_every_operator() -> None:
