@@ -344,13 +344,31 @@ def test_a_custom_translation_table_takes_precedence() -> None:
     assert calls and "mine ran" in repr(info.value.__cause__) + str(info.value)
 
 
+def test_hop_imported_after_the_exporter_registers_at_once() -> None:
+    code = (
+        "import torch\n"
+        "import torch.onnx._internal.exporter._torchlib.ops  # torch's translations, before hop\n"
+        "import hop\n"
+        "f = lambda x: hop.cond(x.sum() > 0, torch.sin, torch.cos, (x,))\n"
+        "m = type('M', (torch.nn.Module,), {'forward': lambda self, x: f(x)})()\n"
+        "p = torch.onnx.export(m, (torch.ones(3),), dynamo=True, verbose=False)\n"
+        "assert 'If' in [n.op_type for n in p.model.graph]\n"
+    )
+    _python(code)
+
+
 def test_import_hop_loads_neither_the_exporter_nor_onnxscript() -> None:
     code = (
         "import sys, hop\n"
         "loaded = [m for m in sys.modules if m.startswith(('onnx', 'torch.onnx._internal.exporter'))]\n"
         "assert not loaded, loaded\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    _python(code)
+
+
+def _python(code: str) -> None:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 # --- the legacy exporter (TorchScript tracing) ----------------------------------------------------
