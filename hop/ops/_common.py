@@ -9,6 +9,7 @@ are arguments (the words of a message, the values to look at).
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -103,9 +104,8 @@ def refuse_legacy_onnx(op: str, what: str) -> None:
     ``what`` says what a tensor decides (``"pred is a tensor"``)."""
     if _tracing_state() is None:
         return
-    import torch.onnx
-
-    if torch.onnx.is_in_onnx_export():
+    onnx = sys.modules.get("torch.onnx")  # not loaded: no export runs (and a plain trace loads nothing)
+    if onnx is not None and onnx.is_in_onnx_export():
         raise CompileUnsupported(
             format_message(
                 op,
