@@ -380,9 +380,15 @@ def _legacy(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> bytes:
             return fn(a)
 
     buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy exporter's deprecation warning, TracerWarnings
-        torch.onnx.export(Model(), (x,), buffer, dynamo=False)
+    # The legacy exporter turns the autocast cache off while it traces and does not turn
+    # it back on when the trace raises: restore it for the tests that run after.
+    cache = torch.is_autocast_cache_enabled()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the legacy exporter's deprecation warning, TracerWarnings
+            torch.onnx.export(Model(), (x,), buffer, dynamo=False)
+    finally:
+        torch.set_autocast_cache_enabled(cache)
     return buffer.getvalue()
 
 
