@@ -260,6 +260,7 @@ def test_exports_and_runs_in_onnxruntime_like_eager(name: str) -> None:
     make, example, others, dims, control = CASES[name]
     model = make().eval()
     onnx_program = _export(model, example, dims)
+    onnx.checker.check_model(onnx_program.model_proto, full_check=True)  # a valid model, shapes inferred
     types = set(_op_types(onnx_program.model_proto))
     assert control <= types, types
     assert not any(t.startswith("torch.ops.hop") for t in types)
