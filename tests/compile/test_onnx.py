@@ -288,6 +288,19 @@ def test_a_saved_file_runs_in_a_fresh_onnxruntime(tmp_path: Any) -> None:
     _check(session, model, (torch.randn(6, 3),))
 
 
+@pytest.mark.parametrize("opset", [17, 20])
+def test_other_opsets(opset: int) -> None:
+    # the exporter translates at its own opset, then converts the model
+    model = ScanTree().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onnx_program = torch.onnx.export(
+            model, (torch.randn(4, 3),), dynamic_shapes=(ROWS,), dynamo=True, verbose=False, opset_version=opset
+        )
+    assert {o.version for o in onnx_program.model_proto.opset_import if o.domain == ""} == {opset}
+    _check(_session(onnx_program), model, (torch.randn(6, 3),))
+
+
 @pytest.mark.parametrize("index", [-1, 3, 7])
 def test_a_switch_index_out_of_range_fails_in_onnxruntime(index: int) -> None:
     # Note [switch's range check]: never some branch instead
