@@ -3,7 +3,7 @@
 After ``import hop`` every ``torch.ops.hop.*`` node exports, from a module or from an
 ``ExportedProgram``, with nothing to register: ``cond`` as ``If``, ``switch`` as a
 chain of ``If``, ``while_loop`` / ``fori_loop`` as ``Loop``, ``scan`` / ``map`` as
-``Scan`` and ``associative_scan`` as a sequential ``Scan`` (the translations are in
+``Loop`` and ``associative_scan`` as a sequential ``Loop`` (the translations are in
 :mod:`hop.compile._onnx_ops`; docs/deploy.md has the table and the limits).
 
 Registration is lazy, as for Dynamo and Inductor: ``import hop`` imports neither
@@ -27,7 +27,8 @@ from hop.compile._hooks import on_import
 
 __all__ = ["translations"]
 
-# Loop, If, Scan, and the Slice / Squeeze with axes as inputs the translations use.
+# The first opset with every form the translations write (Squeeze and Slice taking axes as
+# inputs; If, Loop, Gather are older). torch's exporter translates at 18, then converts.
 OPSET_INTRODUCED = 13
 _TORCH_TRANSLATIONS = "torch.onnx._internal.exporter._torchlib.ops"
 
