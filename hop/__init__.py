@@ -11,6 +11,7 @@ from hop import config, debug, errors
 from hop._operator import HigherOrderOperator, registered_ops
 from hop.compile import dynamo as _dynamo  # noqa: F401  (Dynamo handlers, registered when torch loads Dynamo)
 from hop.compile import inductor as _inductor  # noqa: F401  (Inductor lowerings, registered when torch loads Inductor)
+from hop.compile import onnx as _onnx  # noqa: F401  (ONNX translations, registered when torch loads its exporter)
 from hop.errors import HopError
 from hop.ops.associative_scan import associative_scan
 from hop.ops.cond import cond

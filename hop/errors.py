@@ -129,4 +129,5 @@ class CompileUnsupported(HopRuntimeError):
 
     With ``fullgraph=True`` (and in ``torch.export(strict=True)``) it is raised; without,
     Dynamo breaks the graph with this message as the reason and the operator runs eagerly.
+    Also raised where an ONNX export cannot write a program faithfully (docs/deploy.md).
     """

@@ -1,7 +1,7 @@
 """What hop's compiler bridge needs of torch's private API, and what differs between torch versions.
 
 The bridge (:mod:`hop.compile` and :mod:`hop.passes.inductor`) talks to Dynamo,
-AOTAutograd and Inductor through names torch does not promise to keep. This module
+AOTAutograd, Inductor and the ONNX exporter through names torch does not promise to keep. This module
 is the one list of them: :data:`PRIVATE` names every private symbol the bridge
 imports or reads (a test resolves each on the installed torch, and another checks
 that every ``from torch._... import`` of the bridge is listed), and the functions
@@ -147,6 +147,14 @@ PRIVATE: tuple[Private, ...] = (
         "torch.utils._sympy.reference.PythonReferenceAnalysis",
         "torch.ops.higher_order.cond",
         "torch.ops.higher_order.while_loop",
+    ),
+    # The module itself: translations read its current_tracer, the recorder of the node
+    # being translated (None between exports; the export tests are its check).
+    *_listed(
+        "hop.compile.onnx and hop.compile._onnx_ops",
+        "torch.onnx._internal.exporter._torchlib.ops",
+        "torch.onnx._internal.exporter._torchlib._torchlib_registry.onnx_impl",
+        "torch.onnx._internal.exporter._core",
     ),
 )
 

@@ -41,7 +41,7 @@ from hop.errors import (
     type_name,
 )
 from hop.ops import _inline
-from hop.ops._common import check_effects, differentiable, save_operands, saved_operands
+from hop.ops._common import check_effects, differentiable, refuse_legacy_onnx, save_operands, saved_operands
 from hop.ops._zero_grads import only_vmap_levels, reads_nothing, zero_untaken
 
 Fn = Callable[..., Any]
@@ -473,6 +473,8 @@ def dense(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any
         if any(isinstance(x, torch.Tensor) and not x.is_meta for x in operands):
             raise _meta_selector(b, operands)
         return _run_all_and_merge(b, branches, operands, None)
+    if isinstance(sel, torch.Tensor):  # Note [the legacy ONNX exporter]
+        refuse_legacy_onnx(b.name, f"which branch runs depends on {b.selector}, a tensor")
     k = b.index(sel, len(branches))
     if _SINKS:
         _observe.note(b.name, branch=k)
@@ -508,6 +510,8 @@ def _run_all_and_merge(b: Branching, branches: Sequence[Fn], operands: Sequence[
 
 def inline(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Note [eager branches run inline]: run the chosen branch at the current level."""
+    if isinstance(sel, torch.Tensor):  # Note [the legacy ONNX exporter]
+        refuse_legacy_onnx(b.name, f"which branch runs depends on {b.selector}, a tensor")
     k = b.index(sel, len(branches))
     if _SINKS:
         _observe.note(b.name, branch=k)

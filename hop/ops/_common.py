@@ -9,6 +9,7 @@ are arguments (the words of a message, the values to look at).
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -16,12 +17,13 @@ import torch
 import torch.fx
 
 from hop import _subgraph, _transforms
-from hop.errors import MutationError, format_message
+from hop.errors import CompileUnsupported, MutationError, format_message
 
 __all__ = [
     "check_effects",
     "differentiable",
     "differentiable_at",
+    "refuse_legacy_onnx",
     "runs_inline",
     "save_operands",
     "saved_operands",
@@ -83,6 +85,36 @@ def untraced(fn: Callable[..., _T], *args: Any) -> _T:
         return fn(*args)
     finally:
         _set_tracing_state(state)
+
+
+# Note [the legacy ONNX exporter]
+# torch.onnx.export(..., dynamo=False) records what torch.jit.trace records: hop's
+# operators run inline and are unrolled (Note [sizes under jit.trace]), so the .onnx
+# file would hold the example's branch, trip count or length and be silently wrong
+# on other inputs (with dynamic_axes, at other lengths). So under that exporter an
+# operator whose branch, trip count or length comes from a tensor raises, pointing at
+# dynamo=True, which writes ONNX If / Loop (hop/compile/onnx.py). A Python bool
+# predicate, an int index or a Python-bool loop condition fixes the path for every
+# input: those still unroll. Outside an ONNX export, torch.jit.trace keeps its unrolled
+# trace (tests/test_jit_trace.py). The check costs one call of the tracer's state.
+
+
+def refuse_legacy_onnx(op: str, what: str) -> None:
+    """Note [the legacy ONNX exporter]: raise under torch.onnx.export(dynamo=False);
+    ``what`` says what a tensor decides (``"pred is a tensor"``)."""
+    if _tracing_state() is None:
+        return
+    onnx = sys.modules.get("torch.onnx")  # not loaded: no export runs (and a plain trace loads nothing)
+    if onnx is not None and onnx.is_in_onnx_export():
+        raise CompileUnsupported(
+            format_message(
+                op,
+                f"torch.onnx.export(dynamo=False) traces the Python it runs, and {what}: the file would hold "
+                "this input's path only and be silently wrong on others",
+                fix="Export with torch.onnx.export(..., dynamo=True), which writes ONNX control flow (If, Loop).",
+            ),
+            op=op,
+        )
 
 
 def save_operands(ctx: Any, operands: Sequence[Any]) -> None:

@@ -48,6 +48,8 @@ from hop.ops import _common
 from hop.ops._branching import as_tuple
 from hop.ops._common import check_effects, differentiable, differentiable_at, save_operands, saved_operands
 
+LENGTH = "the number of steps is the length of xs, which the trace fixes"  # Note [the legacy ONNX exporter]
+
 Fn = Callable[..., Any]
 _Tensor = torch.Tensor
 _PAIR = (tuple, list)
@@ -128,6 +130,7 @@ def check_xs(name: str, xs: Any, leaves: Sequence[torch.Tensor], dim: Any) -> tu
         dims.append(dim % x.dim())
     n = leaves[0].shape[dims[0]]
     if type(n) is not int:
+        _common.refuse_legacy_onnx(name, LENGTH)
         n = _common.static_size(n)  # Note [sizes under jit.trace]
     for path, x, d in zip(paths[1:], leaves[1:], dims[1:], strict=True):
         if not _lengths_agree(x.shape[d], n, f"hop.{name}: {path} and {paths[0]} must have the same length"):
@@ -400,6 +403,7 @@ def dense(
     traced = isinstance(body, torch.fx.GraphModule)
     columns = [(x.contiguous() if traced else x).unbind(0) for x in xs]
     n = len(columns[0])  # an int also under torch.jit.trace (Note [sizes under jit.trace])
+    _common.refuse_legacy_onnx(L.name, LENGTH)
     if n == 0:
         return _empty(L, body, init, xs, additional)
     nc = len(init)

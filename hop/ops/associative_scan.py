@@ -168,6 +168,7 @@ def associative_scan_dense(
         combine = torch.vmap(combine_fn, in_dims=(*[0] * (2 * nx), *[None] * len(additional_inputs)))
     n = xs[0].shape[0]
     if type(n) is not int:
+        _common.refuse_legacy_onnx(_NAME, lp.LENGTH)
         n = _common.static_size(n)  # Note [sizes under jit.trace]
     out = _prefix_scan(combine, xs, additional_inputs, n)
     return lp.pack(lp.no_alias(out, [*xs, *additional_inputs]))

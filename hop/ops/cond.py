@@ -24,6 +24,7 @@ from hop._transforms import DYNAMO_CALL, functorch_level, is_dynamo_compiling, m
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.ops import _branching as br
 from hop.ops import _inline
+from hop.ops._common import refuse_legacy_onnx
 
 __all__ = ["cond", "cond_op"]
 
@@ -35,6 +36,7 @@ _grad_enabled = torch.is_grad_enabled
 _INT_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 _VERDICTS = validation._VERDICTS
 _SINKS = _observe.SINKS
+_tracing_state = torch._C._get_tracing_state
 _fast = _inline.cond
 _MISS = _inline.MISS
 
@@ -70,6 +72,8 @@ def cond(
     zeros for the untaken branch (as torch.cond; DDP needs no find_unused_parameters).
     """
     if not is_dynamo_compiling():  # Note [the eager inline cache] (it checks the two below)
+        if _tracing_state() is not None and type(pred) is not bool:  # Note [the legacy ONNX exporter]
+            refuse_legacy_onnx("cond", "which branch runs depends on pred, a tensor")
         r = _fast(pred, true_fn, false_fn, operands)
         if type(r) is _Tensor:
             return r

@@ -30,6 +30,7 @@ from hop._transforms import (
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _branching as br
 from hop.ops import _inline
+from hop.ops._common import refuse_legacy_onnx
 
 __all__ = ["switch", "switch_op"]
 
@@ -40,6 +41,7 @@ _INDEX_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 Fn = Callable[..., Any]
 _check: Callable[..., None] = torch._check  # untyped in torch
 _SINKS = _observe.SINKS
+_tracing_state = torch._C._get_tracing_state
 _fast = _inline.switch
 _MISS = _inline.MISS
 
@@ -71,6 +73,8 @@ def switch(
     selects element-wise.
     """
     if not is_dynamo_compiling():  # Note [the eager inline cache] (it checks the two below)
+        if _tracing_state() is not None and type(index) is not int:  # Note [the legacy ONNX exporter]
+            refuse_legacy_onnx("switch", "which branch runs depends on index, a tensor")
         r = _fast(index, branches, operands)
         if type(r) is _Tensor:
             return r

@@ -36,7 +36,14 @@ from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _checkpoint, _loop_reverse
 from hop.ops._branching import as_tuple, like, no_alias
-from hop.ops._common import check_effects, differentiable, runs_inline, save_operands, saved_operands
+from hop.ops._common import (
+    check_effects,
+    differentiable,
+    refuse_legacy_onnx,
+    runs_inline,
+    save_operands,
+    saved_operands,
+)
 from hop.ops._looping import leaf_difference
 
 __all__ = ["while_loop", "while_loop_op"]
@@ -44,6 +51,7 @@ __all__ = ["while_loop", "while_loop_op"]
 Fn = Callable[..., Any]
 _Tensor = torch.Tensor
 _NAME = "while_loop"
+_TRIPS = "how many times the body runs depends on cond_fn's result, a tensor"
 _SINKS = _observe.SINKS
 
 
@@ -119,7 +127,12 @@ def _run_eager(cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], leaves: 
     """
     carry = tuple(carried_inputs)
     n = len(carry)
-    while cond_fn(*carry):
+    while True:
+        pred = cond_fn(*carry)
+        if type(pred) is not bool:  # Note [the legacy ONNX exporter]
+            refuse_legacy_onnx(_NAME, _TRIPS)
+        if not pred:
+            break
         out = body_fn(*carry)
         carry = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if len(carry) != n:
@@ -242,6 +255,8 @@ def _run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[An
         cond_fn = _observe.counted(_NAME, cond_fn)
     while True:
         pred = _truth(cond_fn(*carry, *additional))
+        if type(pred) is not bool:  # Note [the legacy ONNX exporter]
+            refuse_legacy_onnx(_NAME, _TRIPS)
         if type(pred) is bool or not _is_batched(pred):
             if not pred:
                 return carry

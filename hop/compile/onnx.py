@@ -1,0 +1,51 @@
+"""hop's operators in torch's ONNX exporter: ``torch.onnx.export(..., dynamo=True)``.
+
+After ``import hop`` every ``torch.ops.hop.*`` node exports, from a module or from an
+``ExportedProgram``, with nothing to register: ``cond`` as ``If``, ``switch`` as a
+chain of ``If``, ``while_loop`` / ``fori_loop`` as ``Loop``, ``scan`` / ``map`` as
+``Loop`` and ``associative_scan`` as a sequential ``Loop`` (the translations are in
+:mod:`hop.compile._onnx_ops`; docs/deploy.md has the table and the limits).
+
+Registration is lazy, as for Dynamo and Inductor: ``import hop`` imports neither
+``torch.onnx``'s exporter nor onnxscript. When the exporter first builds its
+registry of translations it imports ``torch.onnx._internal.exporter._torchlib.ops``
+(torch's own translations); right after that module has run, :func:`_register`
+adds hop's to the same registry (``_torchlib_registry.onnx_impl``), which every
+``ONNXRegistry.from_torchlib()`` reads. A translation a user passes in
+``custom_translation_table`` still takes precedence over hop's.
+
+:func:`translations` returns them, for a registry a user builds by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from hop.compile._hooks import on_import
+
+__all__ = ["translations"]
+
+# The first opset with every form the translations write (Squeeze and Slice taking axes as
+# inputs; If, Loop, Gather are older). torch's exporter translates at 18, then converts.
+OPSET_INTRODUCED = 13
+_TORCH_TRANSLATIONS = "torch.onnx._internal.exporter._torchlib.ops"
+
+
+def translations() -> dict[Any, Callable[..., Any]]:
+    """hop's operators and their ONNX translations, as ``custom_translation_table`` takes them."""
+    from hop.compile._onnx_ops import TRANSLATIONS
+
+    return dict(TRANSLATIONS)
+
+
+def _register(ops: ModuleType) -> None:
+    """Runs once torch has imported its own translations."""
+    from torch.onnx._internal.exporter._torchlib._torchlib_registry import onnx_impl
+
+    for op, translation in translations().items():
+        onnx_impl(op, no_compile=True, opset_introduced=OPSET_INTRODUCED)(translation)
+
+
+on_import(_TORCH_TRANSLATIONS, _register)

@@ -1,0 +1,461 @@
+"""hop's operators through torch's ONNX exporter, checked in onnxruntime against eager.
+
+Each program is exported once with ``torch.onnx.export(..., dynamo=True)`` (nothing
+registered by hand: ``import hop`` is enough) and run in onnxruntime on the example
+and on inputs that take the other branches, other trip counts (0 included) and,
+where a ``Dim`` is declared, other sizes. Under the legacy exporter
+(``dynamo=False``) an operator whose path a tensor decides raises instead of
+writing a file that holds one path (Note [the legacy ONNX exporter]).
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.export import Dim
+
+import hop
+from hop.errors import CompileUnsupported
+from hop.ops.cond import cond_op
+
+onnx = pytest.importorskip("onnx", reason="the ONNX tests need the dev extras (onnx, onnxscript, onnxruntime)")
+pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (a dev extra)")
+ort = pytest.importorskip("onnxruntime", reason="the exported files run in onnxruntime (a dev extra)")
+
+Inputs = tuple[Any, ...]
+
+
+def _export(program: torch.nn.Module | torch.export.ExportedProgram, example: Inputs, dims: Any = None) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's own notes (e.g. torchvision not installed)
+        return torch.onnx.export(program, example, dynamic_shapes=dims, dynamo=True, verbose=False)
+
+
+def _session(onnx_program: Any) -> Any:
+    return ort.InferenceSession(onnx_program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _run(session: Any, inputs: Inputs) -> list[Any]:
+    names = [i.name for i in session.get_inputs()]
+    leaves = [x.numpy() for x in pytree.tree_leaves(inputs)]
+    assert len(names) == len(leaves)
+    return list(session.run(None, dict(zip(names, leaves, strict=True))))
+
+
+def _check(session: Any, model: torch.nn.Module, inputs: Inputs) -> None:
+    got = _run(session, inputs)
+    with torch.no_grad():
+        want = [torch.as_tensor(w) for w in pytree.tree_leaves(model(*inputs)) if w is not None]
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-5, atol=1e-5)
+
+
+def _op_types(model: Any) -> list[str]:
+    """Every node's type, in the graph, its subgraphs and its functions."""
+
+    def walk(nodes: Iterator[Any]) -> Iterator[str]:
+        for node in nodes:
+            yield node.op_type
+            for attr in node.attribute:
+                graphs = [attr.g] if attr.HasField("g") else list(attr.graphs)
+                for g in graphs:
+                    yield from walk(iter(g.node))
+
+    types = list(walk(iter(model.graph.node)))
+    for fn in model.functions:
+        types.extend(walk(iter(fn.node)))
+    return types
+
+
+# --- the programs ----------------------------------------------------------------------------
+
+
+class CondTree(torch.nn.Module):
+    """Pytree operands and outputs, a closed-over parameter, a float and an int output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> Any:
+        def yes(t: dict[str, torch.Tensor]) -> Any:
+            return {"p": self.lin(t["a"]), "q": (t["b"] * 2, t["a"].sum())}
+
+        def no(t: dict[str, torch.Tensor]) -> Any:
+            return {"p": t["b"].tanh(), "q": (t["a"] - self.lin.bias, t["b"].mean())}
+
+        return hop.cond(a.sum() > b.sum(), yes, no, ({"a": a, "b": b},))
+
+
+class CondSizes(torch.nn.Module):
+    """Branches returning different lengths: an unbacked output size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hop.cond(x.sum() > 0, lambda a: a[:2] * 2, lambda a: a.sin(), (x,))
+
+
+class CondInt(torch.nn.Module):
+    """An int output, a size the Dim makes symbolic."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return hop.cond(x.sum() > 0, lambda a: (a * 2, a.shape[0]), lambda a: (a, a.shape[0] + 1), (x,))
+
+
+class Switch(torch.nn.Module):
+    def forward(self, i: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return hop.switch(i, [lambda a: a + 1, lambda a: a * 2, lambda a: a.exp()], (x,))
+
+
+class WhileCount(torch.nn.Module):
+    """A data-dependent trip count, an int carry returned as an int."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return hop.while_loop(lambda i, a: a.sum() < 100, lambda i, a: (i + 1, a * 2), (0, x))
+
+
+class WhileGrowing(torch.nn.Module):
+    """A carry that changes size between iterations."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return hop.while_loop(lambda a: a.sum() < 10, lambda a: torch.cat([a, a]), (x,))
+
+
+class Fori(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, n: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return hop.fori_loop(0, n.item(), lambda i, a: a * 0.5 + self.w * i, x)
+
+
+class ScanTree(torch.nn.Module):
+    """Pytree carry and xs, no y for one leaf, reverse, a closed-over parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, xs: torch.Tensor) -> Any:
+        def step(c: dict[str, torch.Tensor], x: dict[str, torch.Tensor]) -> Any:
+            new = {"h": (c["h"] * x["u"] + self.w).tanh(), "n": c["n"] + 1}
+            return new, (c["h"] * x["v"], None)
+
+        init = {"h": torch.zeros(3), "n": torch.zeros((), dtype=torch.int64)}
+        return hop.scan(step, init, {"u": xs, "v": xs.cos()}, reverse=True)
+
+
+class Map(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        return hop.map(lambda r: self.lin(r).relu(), xs)
+
+
+class Cumsum(torch.nn.Module):
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        return hop.associative_scan(torch.add, xs, 0)
+
+
+class CumprodTree(torch.nn.Module):
+    """generic mode, dim 1, reverse, a pytree of two leaves."""
+
+    def forward(self, xs: torch.Tensor) -> Any:
+        def combine(p: tuple[torch.Tensor, torch.Tensor], q: tuple[torch.Tensor, torch.Tensor]) -> Any:
+            return p[0] * q[0], torch.maximum(p[1], q[1])
+
+        return hop.associative_scan(combine, (xs, xs.sin()), 1, reverse=True, combine_mode="generic")
+
+
+class Nested(torch.nn.Module):
+    """A cond inside a while_loop's body inside a scan's body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, xs: torch.Tensor) -> Any:
+        def step(c: torch.Tensor, x: torch.Tensor) -> Any:
+            def body(i: int, v: torch.Tensor) -> Any:
+                return i + 1, hop.cond(v.sum() > 0, lambda a: self.lin(a), lambda a: a + 1.0, (v,))
+
+            i, v = hop.while_loop(lambda i, v: (v.abs().sum() < 50) & (i < 5), body, (0, c + x))
+            return v.tanh(), v * i
+
+        return hop.scan(step, torch.zeros(3), xs)
+
+
+def _rows(*lengths: int, width: int = 3) -> list[Inputs]:
+    return [(torch.randn(n, width),) for n in lengths]
+
+
+N = Dim("n")
+ROWS = {0: N}  # a dynamic dim 0
+# name: (program, example, other inputs, dynamic shapes, the ONNX control flow expected)
+CASES: dict[str, tuple[Callable[[], torch.nn.Module], Inputs, list[Inputs], Any, set[str]]] = {
+    "cond": (CondTree, (torch.ones(3), torch.zeros(3)), [(torch.zeros(3), torch.ones(3))], None, {"If"}),
+    "cond_sizes": (CondSizes, (torch.ones(4),), [(-torch.ones(4),)], None, {"If"}),
+    "cond_int": (
+        CondInt,
+        (torch.ones(4),),
+        [(-torch.ones(4),), (torch.ones(7),), (-torch.ones(2),)],
+        (ROWS,),
+        {"If"},
+    ),
+    "switch": (
+        Switch,
+        (torch.tensor(1), torch.randn(3)),
+        [(torch.tensor(0), torch.randn(3)), (torch.tensor(2), torch.randn(3))],
+        None,
+        {"If"},
+    ),
+    "while_loop": (
+        WhileCount,
+        (torch.rand(3) + 0.5,),
+        [(torch.full((3,), 50.0),), (torch.full((3,), 0.01),)],  # 0 and 12 trips
+        None,
+        {"Loop"},
+    ),
+    "while_loop_growing": (WhileGrowing, (torch.ones(2),), [(torch.full((2,), 0.1),)], None, {"Loop"}),
+    "fori_loop": (
+        Fori,
+        (torch.tensor(3), torch.randn(3)),
+        [(torch.tensor(0), torch.randn(3)), (torch.tensor(7), torch.randn(3))],
+        None,
+        {"Loop"},
+    ),
+    "scan": (ScanTree, (torch.randn(4, 3),), _rows(7, 1, 0), (ROWS,), {"Loop"}),
+    "map": (Map, (torch.randn(4, 3),), _rows(9, 1, 0), (ROWS,), {"Loop"}),
+    "associative_scan": (Cumsum, (torch.randn(5, 2),), _rows(8, 2, 1, 0, width=2), (ROWS,), {"Loop", "If"}),
+    "associative_scan_generic": (
+        CumprodTree,
+        (torch.randn(2, 5),),
+        [(torch.randn(2, 8),), (torch.randn(2, 1),), (torch.randn(2, 0),)],
+        ({1: N},),
+        {"Loop", "If"},
+    ),
+    "nested": (
+        Nested,
+        (torch.randn(4, 3),),
+        [(torch.randn(6, 3),), (torch.randn(2, 3) * 5,)],
+        (ROWS,),
+        {"Loop", "If"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_exports_and_runs_in_onnxruntime_like_eager(name: str) -> None:
+    make, example, others, dims, control = CASES[name]
+    model = make().eval()
+    onnx_program = _export(model, example, dims)
+    onnx.checker.check_model(onnx_program.model_proto, full_check=True)  # a valid model, shapes inferred
+    types = set(_op_types(onnx_program.model_proto))
+    assert control <= types, types
+    assert not any(t.startswith("torch.ops.hop") for t in types)
+    session = _session(onnx_program)
+    for inputs in [example, *others]:
+        _check(session, model, inputs)
+
+
+@pytest.mark.parametrize("name", ["cond", "scan", "nested"])
+def test_exports_from_an_exported_program(name: str) -> None:
+    make, example, others, dims, _ = CASES[name]
+    model = make().eval()
+    program = torch.export.export(model, example, dynamic_shapes=dims)
+    assert any(n.target in hop.registered_ops().values() for n in program.graph.nodes)
+    session = _session(_export(program, example))
+    for inputs in [example, *others]:
+        _check(session, model, inputs)
+
+
+def test_a_saved_file_runs_in_a_fresh_onnxruntime(tmp_path: Any) -> None:
+    model = Map().eval()
+    path = tmp_path / "map.onnx"
+    _export(model, (torch.randn(4, 3),), (ROWS,)).save(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    _check(session, model, (torch.randn(6, 3),))
+
+
+@pytest.mark.parametrize("opset", [17, 20])
+def test_other_opsets(opset: int) -> None:
+    # the exporter translates at its own opset, then converts the model
+    model = ScanTree().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onnx_program = torch.onnx.export(
+            model, (torch.randn(4, 3),), dynamic_shapes=(ROWS,), dynamo=True, verbose=False, opset_version=opset
+        )
+    assert {o.version for o in onnx_program.model_proto.opset_import if o.domain == ""} == {opset}
+    _check(_session(onnx_program), model, (torch.randn(6, 3),))
+
+
+@pytest.mark.parametrize("index", [-1, 3, 7])
+def test_a_switch_index_out_of_range_fails_in_onnxruntime(index: int) -> None:
+    # Note [switch's range check]: never some branch instead
+    session = _session(_export(Switch().eval(), (torch.tensor(1), torch.randn(3))))
+    with pytest.raises(Exception, match="out of data bounds"):
+        _run(session, (torch.tensor(index), torch.randn(3)))
+
+
+class WideScan(torch.nn.Module):
+    """Each y's size is dynamic (dim 1 of xs): a length of 0 cannot be given its shape."""
+
+    def forward(self, xs: torch.Tensor) -> Any:
+        return hop.scan(lambda c, x: (c + x.sum(), x * c), torch.zeros(()), xs)
+
+
+def test_a_scan_of_dynamic_step_shape_fails_at_length_zero() -> None:
+    # Note [scans as ONNX loops]: onnxruntime would give the empty ys a wrong shape
+    model = WideScan().eval()
+    session = _session(_export(model, (torch.randn(4, 3),), ({0: N, 1: Dim("w")},)))
+    _check(session, model, (torch.randn(2, 5),))
+    with pytest.raises(Exception, match="out of data bounds"):
+        _run(session, (torch.randn(0, 5),))
+
+
+def test_a_branch_returning_a_constant_int_is_refused_by_the_exporter() -> None:
+    # torch's exporter cannot translate a subgraph that returns a Python int (docs/deploy.md's limits):
+    # it raises, it writes no file
+    class Constant(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            return hop.cond(x.sum() > 0, lambda a: (a * 2, 3), lambda a: (a, 4), (x,))
+
+    with pytest.raises(Exception, match="Failed to convert the exported program"):
+        _export(Constant(), (torch.ones(3),))
+
+
+def test_translations_cover_every_operator() -> None:
+    from hop.compile.onnx import translations
+
+    names = {op.name() for op in translations()}
+    assert names == {"cond", "switch", "while_loop", "scan", "map", "associative_scan"}  # fori_loop: a while_loop
+    assert set(hop.registered_ops()) >= names
+
+
+def test_a_custom_translation_table_takes_precedence() -> None:
+    calls = []
+
+    def mine(*args: Any) -> Any:
+        calls.append(args)
+        raise RuntimeError("mine ran")
+
+    with pytest.raises(Exception) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = {cond_op: mine}
+        torch.onnx.export(CondSizes(), (torch.ones(4),), dynamo=True, verbose=False, custom_translation_table=table)
+    assert calls and "mine ran" in repr(info.value.__cause__) + str(info.value)
+
+
+def test_hop_imported_after_the_exporter_registers_at_once() -> None:
+    code = (
+        "import torch\n"
+        "import torch.onnx._internal.exporter._torchlib.ops  # torch's translations, before hop\n"
+        "import hop\n"
+        "f = lambda x: hop.cond(x.sum() > 0, torch.sin, torch.cos, (x,))\n"
+        "m = type('M', (torch.nn.Module,), {'forward': lambda self, x: f(x)})()\n"
+        "p = torch.onnx.export(m, (torch.ones(3),), dynamo=True, verbose=False)\n"
+        "assert 'If' in [n.op_type for n in p.model.graph]\n"
+    )
+    _python(code)
+
+
+def test_import_hop_loads_neither_the_exporter_nor_onnxscript() -> None:
+    code = (
+        "import sys, hop\n"
+        "loaded = [m for m in sys.modules if m.startswith(('onnx', 'torch.onnx._internal.exporter'))]\n"
+        "assert not loaded, loaded\n"
+    )
+    _python(code)
+
+
+def _python(code: str) -> None:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+# --- the legacy exporter (TorchScript tracing) ----------------------------------------------------
+
+
+def _legacy(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> bytes:
+    class Model(torch.nn.Module):
+        def forward(self, a: torch.Tensor) -> Any:
+            return fn(a)
+
+    buffer = io.BytesIO()
+    # The legacy exporter turns the autocast cache off while it traces and does not turn
+    # it back on when the trace raises: restore it for the tests that run after.
+    cache = torch.is_autocast_cache_enabled()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the legacy exporter's deprecation warning, TracerWarnings
+            torch.onnx.export(Model(), (x,), buffer, dynamo=False)
+    finally:
+        torch.set_autocast_cache_enabled(cache)
+    return buffer.getvalue()
+
+
+DATA_DEPENDENT: dict[str, tuple[Callable[[torch.Tensor], Any], str]] = {
+    "cond": (lambda a: hop.cond(a.sum() > 0, torch.sin, torch.cos, (a,)), "pred"),
+    "switch": (lambda a: hop.switch((a.sum() > 0).long(), [torch.sin, torch.cos], (a,)), "index"),
+    "while_loop": (lambda a: hop.while_loop(lambda v: v.sum() < 100, lambda v: v * 2, (a.abs() + 0.1,))[0], "cond_fn"),
+    "scan": (lambda a: hop.scan(lambda c, r: (c + r, c * r), torch.zeros(3), a)[1], "length of xs"),
+    "map": (lambda a: hop.map(torch.sin, a), "length of xs"),
+    "associative_scan": (lambda a: hop.associative_scan(torch.add, a, 0), "length of xs"),
+    "raw cond": (lambda a: torch.ops.hop.cond(a.sum() > 0, torch.sin, torch.cos, (a,)), "pred"),
+    "raw while_loop": (
+        lambda a: torch.ops.hop.while_loop(lambda v: v.sum() < 9, lambda v: v * 2, (a.abs(),), ()),
+        "cond_fn",
+    ),
+    "raw scan": (lambda a: torch.ops.hop.scan(lambda c, r: (c + r, c), (torch.zeros(3),), (a,), (), False), "length"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATA_DEPENDENT))
+def test_the_legacy_exporter_refuses_a_path_a_tensor_decides(name: str) -> None:
+    fn, what = DATA_DEPENDENT[name]
+    x = torch.randn(4, 3)
+    fn(x)  # eager first: its inline caches must not skip the check
+    op = name.removeprefix("raw ")
+    with pytest.raises(CompileUnsupported, match=rf"^hop\.{op}: torch\.onnx\.export\(dynamo=False\).*{what}") as info:
+        _legacy(fn, x)
+    assert "dynamo=True" in str(info.value)
+    assert info.value.op == op
+
+
+STATIC: dict[str, Callable[[torch.Tensor], Any]] = {
+    "cond": lambda a: hop.cond(True, torch.sin, torch.cos, (a,)),
+    "switch": lambda a: hop.switch(1, [torch.sin, lambda v: v * 3], (a,)),
+    "while_loop": lambda a: hop.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v.sin() * 2), (0, a))[1],
+    "fori_loop": lambda a: hop.fori_loop(0, 3, lambda i, v: v.tanh() + i, a),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATIC))
+def test_the_legacy_exporter_unrolls_a_path_python_fixes(name: str) -> None:
+    # the same path for every input: the unrolled file is right
+    fn, x = STATIC[name], torch.randn(4, 3)
+    session = ort.InferenceSession(_legacy(fn, x), providers=["CPUExecutionProvider"])
+    y = torch.randn(4, 3)
+    (got,) = session.run(None, {session.get_inputs()[0].name: y.numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), fn(y))
+
+
+def test_plain_jit_trace_still_unrolls_a_data_dependent_cond() -> None:
+    # outside an ONNX export the trace is the documented unrolled one (tests/test_jit_trace.py)
+    fn = DATA_DEPENDENT["cond"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarning (the predicate is data), jit.trace's deprecation
+        traced = torch.jit.trace(fn, (torch.ones(3),), check_trace=False)
+    torch.testing.assert_close(traced(torch.ones(3) * 2), fn(torch.ones(3) * 2))
