@@ -40,6 +40,8 @@ def dispatch_state() -> tuple[object, ...]:
         torch._C._is_torch_function_mode_enabled(),
         torch.is_grad_enabled(),
         torch._C._is_fwd_grad_enabled(),
+        torch.is_autocast_cache_enabled(),  # torch's legacy ONNX exporter leaves it off when it raises
+        torch._C._get_tracing_state() is None,  # torch.jit.trace's tracer
     )
 
 
