@@ -762,17 +762,23 @@ class _EarlyStop(torch.nn.Module):
         return hop.while_loop(cond_fn, body_fn, (0, torch.zeros(h.shape[0], dtype=torch.bool), h))
 
 
+def _traced(model: torch.nn.Module, example: torch.Tensor, how: str) -> Any:
+    """``model`` traced by make_fx, export (strict or not) or torch.compile (a backend,
+    ``"... dynamic"`` for dynamic shapes)."""
+    if how == "make_fx":
+        return make_fx(model, tracing_mode="symbolic")(example)
+    if how.endswith("export"):
+        return roundtrip(torch.export.export(model, (example,), strict=how == "strict export")).module()
+    torch._dynamo.reset()
+    backend = how.removesuffix(" dynamic")
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=True if how.endswith(" dynamic") else None)
+
+
 @pytest.mark.parametrize("how", ["make_fx", "export", "strict export", "aot_eager", "inductor"])
 def test_an_int_carry_meets_a_tensor_in_the_condition(how: str) -> None:
     # "Could not guard on data-dependent expression u1 < 5" in every traced path
     model, example = _EarlyStop(), torch.zeros(2, 4)
-    if how == "make_fx":
-        traced: Any = make_fx(model, tracing_mode="symbolic")(example)
-    elif how.endswith("export"):
-        traced = roundtrip(torch.export.export(model, (example,), strict=how == "strict export")).module()
-    else:
-        torch._dynamo.reset()
-        traced = torch.compile(model, backend=how, fullgraph=True)
+    traced = _traced(model, example, how)
     for h in (example, torch.full((2, 4), 5.0), torch.tensor([[0.0] * 4, [9.0] * 4])):
         got, want = traced(h), model(h)
         assert int(got[0]) == want[0]
@@ -813,13 +819,7 @@ def test_an_int_carry_meets_a_tensor_in_the_body(how: str, mixed: str) -> None:
     # the global float the first one had read ("lift_tracked_freevar_to_input should
     # not be called on root SubgraphTracer")
     model, example = _ForcedStop(mixed), torch.zeros(2, 4)
-    if how == "make_fx":
-        traced: Any = make_fx(model, tracing_mode="symbolic")(example)
-    elif how.endswith("export"):
-        traced = roundtrip(torch.export.export(model, (example,), strict=how == "strict export")).module()
-    else:
-        torch._dynamo.reset()
-        traced = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=how.endswith("dynamic"))
+    traced = _traced(model, example, how)
     for h in (example, torch.full((2, 4), 5.0), torch.tensor([[0.0] * 4, [9.0] * 4])):
         got, want = traced(h), model(h)
         assert int(got[0]) == want[0]
