@@ -383,6 +383,7 @@ def _counted_loop(
     def with_floats(rest: tuple[Any, ...]) -> tuple[Any, ...]:
         given = iter(rest[nc:own])
         return (*rest[:nc], *(floats[j] if j in floats else next(given) for j in range(len(additional))))
+
     counter = torch.full((), stop - 1 if descending else start, dtype=torch.int64, device="cpu")
 
     def bound(rest: tuple[Any, ...]) -> Any:
