@@ -333,23 +333,60 @@ class Subgraph:
         return spec
 
 
+# Note [values a subgraph reads stay readable]
+# Dynamo caches the variable it builds for what traced code reads, by source, for the
+# rest of the frame. Under dynamic shapes a global float (``1 - EPS``) becomes a graph
+# input and the float read is its ``.item()``, which torch before 2.15 emits in the
+# graph being traced: when that is a subgraph (a branch, a loop body), the cached
+# variable is a node of that subgraph, and the next read from anywhere else, the other
+# branch of a cond (torch.cond fails alike there), a loop's cond_fn after its body_fn, or
+# the second trace of a callable whose first one failed (Note [int carries in a traced
+# condition], hop.ops.while_loop), cannot lift it: ``lift_tracked_freevar_to_input
+# should not be called on root SubgraphTracer``. torch 2.15 emits that ``.item()`` in
+# the root graph; after each subgraph hop traces, a float it read first is read again
+# so, in the root graph, where every later subgraph lifts it from. Any other variable
+# the subgraph cached that lives in it is dropped, to be built again where it is read.
+
+
+@contextmanager
+def reads_kept_in_root(tx: Any) -> Iterator[None]:
+    """Note [values a subgraph reads stay readable]."""
+    out = tx.output
+    cache, before = out.variable_tracker_cache, dict(out.variable_tracker_cache)
+    try:
+        yield
+    finally:
+        for source in [k for k in cache if k not in before]:
+            vt = cache[source]
+            proxy = getattr(vt, "proxy", None)  # tensors' and symbolic numbers' variables
+            if not isinstance(proxy, torch.fx.Proxy) or proxy.tracer is out.root_tracer:
+                continue
+            read = out.unspec_variable_map.get(source.name)
+            if isinstance(vt, SymNodeVariable) and read is not None:
+                item = out.root_tracer.create_proxy("call_method", "item", (read.as_proxy(),), {})
+                cache[source] = wrap_fx_proxy(tx, item)
+            else:
+                del cache[source]
+
+
 def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgraph:
     """Trace ``fn(*args)`` into a subgraph taking the leaves of ``args`` then what it lifts."""
     name = op.__name__
     try:
-        (out, spec), graph, lifted = speculate_subgraph(
-            tx,
-            fn,
-            list(args),
-            {},
-            f"hop.{name} {role}",
-            source_target=op,
-            set_subgraph_inputs="flatten_manual",
-            should_flatten_outputs=True,
-            remove_consts_from_outputs=False,
-            supports_input_mutation=True,
-            supports_aliasing=True,
-        )
+        with reads_kept_in_root(tx):  # Note [values a subgraph reads stay readable]
+            (out, spec), graph, lifted = speculate_subgraph(
+                tx,
+                fn,
+                list(args),
+                {},
+                f"hop.{name} {role}",
+                source_target=op,
+                set_subgraph_inputs="flatten_manual",
+                should_flatten_outputs=True,
+                remove_consts_from_outputs=False,
+                supports_input_mutation=True,
+                supports_aliasing=True,
+            )
     except Unsupported as e:
         if isinstance(e, HopError):  # a nested operator's own error
             raise

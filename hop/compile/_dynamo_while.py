@@ -159,9 +159,10 @@ class WhileLoopVariable(HopVariable):
         values = [example(leaf) for leaf in leaves]
         py_spec = spec.as_python_constant()
         varying = [set() if isinstance(v, torch.Tensor) else {0} for v in values]
+        on_tensors = False  # Note [int carries in a traced condition] (hop.ops.while_loop)
         for _ in range(8):  # Note [while_loop carries in Dynamo]
             generic = _generic_carries(tx, values, varying)
-            body = self.trace(tx, "body_fn", body_fn, generic, spec, additional)
+            body, on_tensors = self.trace_body(tx, body_fn, generic, spec, additional, on_tensors)
             outs = [example(o) for o in body.outputs]
             check(pytree.tree_unflatten(values, py_spec), pytree.tree_unflatten(outs, body.out_spec()))
             grew = [_changes(example(g), o) - v for g, o, v in zip(generic, outs, varying, strict=True)]
@@ -193,6 +194,36 @@ class WhileLoopVariable(HopVariable):
         partial = SourcelessBuilder.create(tx, functools.partial)
         tensors = partial.call_function(tx, [SourcelessBuilder.create(tx, _tensor_ints), constant(slots), cond_fn], {})
         return self.trace(tx, "cond_fn", tensors, generic, spec, additional)
+
+    def trace_body(
+        self, tx: Any, body_fn: VT, generic: list[VT], spec: VT, additional: list[VT], on_tensors: bool
+    ) -> tuple[Subgraph, bool]:
+        """body_fn traced on SymInt int carries or, where it cannot be (or could not be in
+        an earlier pass, ``on_tensors``), given them as 0-dim int64 tensors, its int outputs
+        read back with ``.item()`` (Note [int carries in a traced condition], hop.ops.while_loop).
+        Returns the subgraph and whether it took tensors."""
+        slots = tuple(k for k, g in enumerate(generic) if isinstance(example(g), torch.SymInt))
+        if not on_tensors:
+            try:
+                return self.trace(tx, "body_fn", body_fn, generic, spec, additional), False
+            except Exception as e:
+                if not slots or not _data_dependent(e):
+                    raise
+        partial = SourcelessBuilder.create(tx, functools.partial)
+        on_tensors_fn = SourcelessBuilder.create(tx, while_module.body_on_tensors)
+        wrapped = partial.call_function(tx, [on_tensors_fn, constant(slots), body_fn], {})
+        return self.trace_items(tx, wrapped, generic, spec, additional), True
+
+    def trace_items(self, tx: Any, fn: VT, generic: list[VT], spec: VT, additional: list[VT]) -> Subgraph:
+        """``fn`` traced where ``.item()`` is captured as a SymInt (not a graph break)."""
+        fake_mode = tx.output.fake_mode
+        allowed = fake_mode.allow_scalar_outputs
+        fake_mode.allow_scalar_outputs = True
+        try:
+            with torch._dynamo.config.patch(capture_scalar_outputs=True):
+                return self.trace(tx, "body_fn", fn, generic, spec, additional)
+        finally:
+            fake_mode.allow_scalar_outputs = allowed
 
     def trace(self, tx: Any, role: str, fn: VT, generic: list[VT], spec: VT, additional: list[VT]) -> Subgraph:
         """``fn`` traced on generalized carries: their unbacked sizes are read from the

@@ -370,11 +370,20 @@ def _counted_loop(
         # would fail at trace time. The outputs are copies, as the loop's would be.
         return [c.clone() if isinstance(c, torch.Tensor) else c for c in carried]
     symbolic = isinstance(stop, torch.SymInt)
-    values = [*carried, *additional, *([stop] if symbolic else [])]
+    # a float among the inputs (one Dynamo lifted, which Inductor made a constant) is
+    # closed over: torch's while_loop takes tensors and ints only
+    floats = {j: a for j, a in enumerate(additional) if isinstance(a, float)}
+    passed = [a for j, a in enumerate(additional) if j not in floats]
+    values = [*carried, *passed, *([stop] if symbolic else [])]
     known = plain_symbols(inputs)
     lifted = [known[s] for s in sorted(free_symbols(values) - plain_symbols(values).keys(), key=str) if s in known]
-    extra = (*additional, *lifted, *([stop] if symbolic else []))
-    own = len(additional) + len(carried)
+    extra = (*passed, *lifted, *([stop] if symbolic else []))
+    nc, own = len(carried), len(passed) + len(carried)
+
+    def with_floats(rest: tuple[Any, ...]) -> tuple[Any, ...]:
+        given = iter(rest[nc:own])
+        return (*rest[:nc], *(floats[j] if j in floats else next(given) for j in range(len(additional))))
+
     counter = torch.full((), stop - 1 if descending else start, dtype=torch.int64, device="cpu")
 
     def bound(rest: tuple[Any, ...]) -> Any:
@@ -391,7 +400,7 @@ def _counted_loop(
         _check(k >= start)
         if not symbolic:  # Note [scans as while loops]: never checked against a symbolic length
             _check(k < stop)
-        return (i - 1 if descending else i + 1, *step(k, *rest[:own]))
+        return (i - 1 if descending else i + 1, *step(k, *with_floats(rest)))
 
     out = torch.ops.higher_order.while_loop(cond_fn, body_fn, (counter, *carried), extra)
     return list(out[1:])

@@ -110,6 +110,7 @@ def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands
 
     _bind_item_symbols(true_fn.graph_module, false_fn.graph_module)
     node = V.graph.current_node
+    operands = _inline_constant_inputs(node, (true_fn.graph_module, false_fn.graph_module), 3, 0, operands)
     operands = _traced_strides(operands, node.args[-1])
     val, bindings = node.meta["val"], node.meta.get("unbacked_bindings")
     if isinstance(val, (tuple, list)):
@@ -167,14 +168,16 @@ def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: An
     """torch's lowering; a single carry is returned bare, as the op does."""
     from torch._inductor.virtualized import V
 
+    node = V.graph.current_node
+    graphs = (cond_fn.graph_module, body_fn.graph_module)
+    # first: a retraced condition takes its inputs from the placeholders' meta, which a constant's lacks
+    additional_inputs = _inline_constant_inputs(node, graphs, 3, len(node.args[2]), additional_inputs)  # type: ignore[arg-type]
     defined = _bind_item_symbols(body_fn.graph_module)
     if defined & _bind_item_symbols(cond_fn.graph_module):
         # The C++ wrapper declares the condition's and the body's reads in one
         # block: the condition must define symbols of its own.
         cond_fn.graph_module = _retrace(cond_fn.graph_module)
         _bind_item_symbols(cond_fn.graph_module)
-    node = V.graph.current_node
-    additional_inputs = _inline_constant_inputs(node, cond_fn, body_fn, additional_inputs)
     carried_inputs = _traced_strides(carried_inputs, node.args[2])
     additional_inputs = _traced_strides(additional_inputs, node.args[3])
     with _own_buffers():
@@ -182,21 +185,26 @@ def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: An
     return out[0] if len(carried_inputs) == 1 else out
 
 
-def _inline_constant_inputs(node: torch.fx.Node, cond_fn: Any, body_fn: Any, additional: Sequence[Any]) -> list[Any]:
-    """Write the constants among a loop's additional inputs (a float Dynamo lifted) into
-    its subgraphs: torch's lowering (from 2.15) reads every input's FX ``meta``."""
-    traced = list(node.args[3])  # type: ignore[arg-type]
+def _inline_constant_inputs(
+    node: torch.fx.Node, graphs: Sequence[torch.fx.GraphModule], position: int, first: int, values: Sequence[Any]
+) -> list[Any]:
+    """Write the constants among the inputs ``node.args[position]`` (a float Dynamo lifted,
+    which Inductor made a constant) into the subgraphs, where they are the placeholders
+    from ``first`` on; return ``values`` without them. torch's lowerings take tensors:
+    its cond's reads every operand's device, its while_loop's (from 2.15) every input's
+    FX ``meta``."""
+    traced = list(node.args[position])  # type: ignore[arg-type]
     constant = [j for j, a in enumerate(traced) if not isinstance(a, torch.fx.Node)]
     if not constant:
-        return list(additional)
-    first = len(node.args[2])  # type: ignore[arg-type]
-    for gm in (cond_fn.graph_module, body_fn.graph_module):
+        return list(values)
+    for gm in graphs:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for j in constant:
             _replace_input(gm.graph, placeholders[first + j], traced[j])
         gm.recompile()
-    node.args = (*node.args[:3], tuple(a for j, a in enumerate(traced) if j not in constant))
-    return [a for j, a in enumerate(additional) if j not in constant]
+    kept = tuple(a for j, a in enumerate(traced) if j not in constant)
+    node.args = (*node.args[:position], kept, *node.args[position + 1 :])
+    return [a for j, a in enumerate(values) if j not in constant]
 
 
 def _replace_input(graph: torch.fx.Graph, placeholder: torch.fx.Node, value: Any) -> None:

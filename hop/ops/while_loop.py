@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -485,7 +486,10 @@ def _ints_as_tensors(
 
     fake_mode = torch._guards.detect_fake_mode([*carried, *additional])
     assert fake_mode is not None and fake_mode.shape_env is not None  # the caller checked
-    ints_in_cond = _cond_reads_symints(cond_fn, carried, additional, slots, fake_mode)
+    fake_mode.allow_scalar_outputs = True  # for .item(): AOTAutograd's fake mode under torch.compile forbids it
+    ints_in_cond = _reads_symints(cond_fn, carried, additional, slots, fake_mode)
+    if not _reads_symints(body_fn, carried, additional, slots, fake_mode):
+        body_fn = functools.partial(body_on_tensors, tuple(slots), body_fn)
 
     def cond_t(*args: Any) -> Any:
         return cond_fn(*(as_ints(args[:n]) if ints_in_cond else args[:n]), *args[n:])
@@ -496,7 +500,6 @@ def _ints_as_tensors(
 
     cond_t.__wrapped__ = cond_fn  # type: ignore[attr-defined]
     body_t.__wrapped__ = body_fn  # type: ignore[attr-defined]
-    fake_mode.allow_scalar_outputs = True  # for .item(): AOTAutograd's fake mode under torch.compile forbids it
     with fake_mode:
         ranges = carry_ranges(_NAME, body_fn, tuple(carried), tuple(additional), fake_mode.shape_env)
     with mode:
@@ -515,21 +518,35 @@ def _ints_as_tensors(
 # which has a real int, works. Such a condition gets the carries as the 0-dim int64
 # tensors they travel as instead, so that ``t < n`` is a tensor too; the value it
 # computes is the same. Conditions that work on SymInts keep getting SymInts. make_fx
-# and torch.export decide by a run of cond_fn on fake values (_cond_reads_symints);
+# and torch.export decide by a run of cond_fn on fake values (_reads_symints);
 # Dynamo, whose stand-ins for a callable cannot always run, by tracing it again
 # (hop.compile._dynamo_while.WhileLoopVariable.trace_cond).
+#
+# body_fn mixes them alike (``stop = done | (t + 1 >= n)``, an ACT RNN's forced last
+# step). It is decided the same way, and a body that cannot take SymInts is called by
+# body_on_tensors: the int carries in as 0-dim int64 tensors, its int outputs read back
+# with ``.item()``, so that the loop around it still carries SymInts. Under Dynamo,
+# which traces ``.item()`` only when told to capture scalar outputs, the body is traced
+# so (hop.compile._dynamo_while.WhileLoopVariable.trace_body).
 
 
-def _cond_reads_symints(
-    cond_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], slots: Sequence[int], fake_mode: FakeTensorMode
+def body_on_tensors(slots: tuple[int, ...], body_fn: Fn, *args: Any) -> tuple[Any, ...]:
+    """Note [int carries in a traced condition]: ``body_fn`` given its int carries as tensors."""
+    out = body_fn(*(torch.scalar_tensor(a, dtype=torch.int64) if k in slots else a for k, a in enumerate(args)))
+    out = out if isinstance(out, tuple) else (out,)
+    return tuple(o.item() if k in slots and isinstance(o, torch.Tensor) else o for k, o in enumerate(out))
+
+
+def _reads_symints(
+    fn: Fn, carried: Sequence[Any], additional: Sequence[Any], slots: Sequence[int], fake_mode: FakeTensorMode
 ) -> bool:
-    """Note [int carries in a traced condition]: whether cond_fn can be traced on SymInts."""
+    """Note [int carries in a traced condition]: whether cond_fn (or body_fn) can be traced on SymInts."""
     shape_env = fake_mode.shape_env
     assert shape_env is not None
     with fake_mode, shape_env.ignore_fresh_unbacked_symbols(), trial_run():
         values = [shape_env.create_unbacked_symint() if i in slots else c for i, c in enumerate(carried)]
         try:
-            cond_fn(*values, *additional)
+            fn(*values, *additional)
         except GuardOnDataDependentSymNode:
             return False
         except Exception:  # any other mistake is reported by the real trace

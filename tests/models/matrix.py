@@ -104,3 +104,36 @@ def check_aoti(
     assert proc.returncode == 0, proc.stderr[-3000:]
     for k, (got, case) in enumerate(zip(torch.load(tmp / "outputs.pt"), cases, strict=True)):
         assert_same(got, model(*case), f"AOTInductor case {k}")
+
+
+def check_compile_training(
+    model: torch.nn.Module,
+    cases: Sequence[Case],
+    backend: str,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    reference: torch.nn.Module | None = None,
+) -> None:
+    """One compiled training graph: its outputs and the gradients of ``loss(outputs)``
+    (default: the outputs summed) w.r.t. the floating inputs and the parameters equal
+    ``reference``'s (default: eager ``model``), case by case."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    reference = model if reference is None else reference
+
+    def total(out: Any) -> torch.Tensor:
+        if loss is not None:
+            return loss(out)
+        return sum((o.sum() for o in pytree.tree_leaves(out) if _differentiable(o)), torch.zeros(()))
+
+    def run(fn: Callable[..., Any], params: list[torch.Tensor], case: Case) -> tuple[Any, list[torch.Tensor]]:
+        case = tuple(c.detach().requires_grad_() if _differentiable(c) else c for c in case)
+        wrt = [c for c in case if isinstance(c, torch.Tensor) and c.requires_grad] + params
+        out = fn(*case)
+        grads = torch.autograd.grad(total(out), wrt, allow_unused=True, materialize_grads=True)
+        return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), list(grads)
+
+    for k, case in enumerate(cases):
+        got = run(compiled, list(model.parameters()), case)
+        want = run(reference, list(reference.parameters()), case)
+        assert_same(got[0], want[0], f"torch.compile({backend}) training case {k}")
+        assert_same(got[1], want[1], f"grad of torch.compile({backend}) case {k}")

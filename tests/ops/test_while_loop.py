@@ -762,17 +762,64 @@ class _EarlyStop(torch.nn.Module):
         return hop.while_loop(cond_fn, body_fn, (0, torch.zeros(h.shape[0], dtype=torch.bool), h))
 
 
+def _traced(model: torch.nn.Module, example: torch.Tensor, how: str) -> Any:
+    """``model`` traced by make_fx, export (strict or not) or torch.compile (a backend,
+    ``"... dynamic"`` for dynamic shapes)."""
+    if how == "make_fx":
+        return make_fx(model, tracing_mode="symbolic")(example)
+    if how.endswith("export"):
+        return roundtrip(torch.export.export(model, (example,), strict=how == "strict export")).module()
+    torch._dynamo.reset()
+    backend = how.removesuffix(" dynamic")
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=True if how.endswith(" dynamic") else None)
+
+
 @pytest.mark.parametrize("how", ["make_fx", "export", "strict export", "aot_eager", "inductor"])
 def test_an_int_carry_meets_a_tensor_in_the_condition(how: str) -> None:
     # "Could not guard on data-dependent expression u1 < 5" in every traced path
     model, example = _EarlyStop(), torch.zeros(2, 4)
-    if how == "make_fx":
-        traced: Any = make_fx(model, tracing_mode="symbolic")(example)
-    elif how.endswith("export"):
-        traced = roundtrip(torch.export.export(model, (example,), strict=how == "strict export")).module()
-    else:
-        torch._dynamo.reset()
-        traced = torch.compile(model, backend=how, fullgraph=True)
+    traced = _traced(model, example, how)
+    for h in (example, torch.full((2, 4), 5.0), torch.tensor([[0.0] * 4, [9.0] * 4])):
+        got, want = traced(h), model(h)
+        assert int(got[0]) == want[0]
+        torch.testing.assert_close(got[1:], want[1:])
+
+
+_MARGIN = 0.5  # a global float: Dynamo makes it a graph input under dynamic shapes
+
+
+class _ForcedStop(torch.nn.Module):
+    """An ACT RNN's ponder loop: the int counter meets tensors in body_fn (the last step
+    is forced), in cond_fn, or in both, each reading a global float."""
+
+    def __init__(self, mixed: str) -> None:
+        super().__init__()
+        self.mixed = mixed
+
+    def forward(self, h: torch.Tensor) -> Any:
+        def cond_fn(t: Any, stopped: torch.Tensor, h: torch.Tensor) -> Any:
+            if self.mixed != "body":
+                return (~stopped).any() & (t < 4) & (h.sum() < 100 - _MARGIN)
+            return t < 4
+
+        def body_fn(t: Any, stopped: torch.Tensor, h: torch.Tensor) -> Any:
+            stop = stopped | (h.sum(1) > 3.0 - _MARGIN)
+            if self.mixed != "condition":
+                stop = stop | (t + 1 >= 3)
+            return t + 1, stop, torch.where(stopped.unsqueeze(1), h, h * 0.5 + 1.0)
+
+        return hop.while_loop(cond_fn, body_fn, (0, torch.zeros(h.shape[0], dtype=torch.bool), h))
+
+
+@pytest.mark.parametrize("mixed", ["body", "condition", "both"])
+@pytest.mark.parametrize("how", ["make_fx", "export", "strict export", "aot_eager", "aot_eager dynamic"])
+def test_an_int_carry_meets_a_tensor_in_the_body(how: str, mixed: str) -> None:
+    # "Could not guard on data-dependent expression u0 + 1 >= 3" in every traced path;
+    # with dynamic shapes the condition's second trace (and the body's) then failed on
+    # the global float the first one had read ("lift_tracked_freevar_to_input should
+    # not be called on root SubgraphTracer")
+    model, example = _ForcedStop(mixed), torch.zeros(2, 4)
+    traced = _traced(model, example, how)
     for h in (example, torch.full((2, 4), 5.0), torch.tensor([[0.0] * 4, [9.0] * 4])):
         got, want = traced(h), model(h)
         assert int(got[0]) == want[0]

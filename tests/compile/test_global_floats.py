@@ -1,0 +1,58 @@
+"""A global float read inside hop's callables under ``torch.compile(dynamic=True)``, where
+Dynamo makes it a graph input: read by both branches of a cond, by a loop's condition
+and body, and by a loop differentiated through (its backward is a counted loop).
+
+Found by tests/models (an implicit layer's tolerance, an ACT RNN's epsilon): torch 2.13
+and 2.14 failed in Dynamo on the second read (``lift_tracked_freevar_to_input should
+not be called on root SubgraphTracer``, Note [values a subgraph reads stay readable]),
+and Inductor on the float among a cond's operands or a loop's inputs (``'float' object
+has no attribute 'get_device'``, ``KeyError: 'val'``, torch's while_loop's "can only
+be of (Tensor, int, SymInt)").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import hop
+
+EPS = 0.25
+
+
+def both_branches(x: torch.Tensor) -> torch.Tensor:
+    return hop.cond(x.sum() > 0, lambda v: v * EPS, lambda v: v - EPS, (x,))
+
+
+def condition_and_body(x: torch.Tensor) -> torch.Tensor:
+    return hop.while_loop(lambda v: v.abs().sum() < 10 - EPS, lambda v: v * (1 + EPS) + 0.1, (x,))[0]
+
+
+def counted_body(x: torch.Tensor) -> torch.Tensor:
+    return hop.while_loop(lambda i, v: (i < 3) & (v.sum() < 100 - EPS), lambda i, v: (i + 1, v.sin() * EPS), (0, x))[1]
+
+
+PROGRAMS: list[Callable[[torch.Tensor], Any]] = [both_branches, condition_and_body, counted_body]
+INPUTS = [torch.tensor([1.0, 0.5, -0.25]), torch.tensor([-2.0, 0.5, 0.25]), torch.tensor([0.1, 0.2, 0.3, 0.4])]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("fn", PROGRAMS, ids=lambda f: f.__name__)
+def test_compiled_equals_eager(fn: Callable[[torch.Tensor], Any], backend: str) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
+    for x in INPUTS:
+        torch.testing.assert_close(compiled(x), fn(x))
+
+
+def test_inductor_training_equals_eager() -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(counted_body, backend="inductor", fullgraph=True, dynamic=True)
+    for x in INPUTS:
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        compiled(a).pow(2).sum().backward()
+        counted_body(b).pow(2).sum().backward()
+        torch.testing.assert_close(a.grad, b.grad)
