@@ -222,7 +222,9 @@ def _stacked(step: Fn, carried: list[Any], extra: list[Any], n: Any, g_carry: li
     ``arange(n)``, differentiated by scan's own backward (Note [reverse mode of a traced loop])."""
     steps = torch.arange(n, device=_device(carried))
     out_diff = [g is not None for g in g_carry]
-    g = _looping.scan_vjp(scan_op, step, carried, [steps], extra, False, g_carry, out_diff)
+    g = _looping.scan_vjp(
+        scan_op, step, carried, [steps], extra, False, g_carry, out_diff, named=("while_loop", "body_fn")
+    )
     nc = len(carried)
     return [*g[:nc], *g[nc + 1 :]]
 
@@ -289,7 +291,9 @@ def _segment_vjp(step: Fn, nc: int, d_c: list[int], d_e: list[int]) -> Fn:
         steps = torch.arange(_size(length), device=k.device) + start
         g_full = _transforms.place([None] * nc, d_c, g)
         out_diff = [x is not None for x in g_full]
-        pulled = _looping.scan_vjp(scan_op, step, start_carry, [steps], extra, False, g_full, out_diff)
+        pulled = _looping.scan_vjp(
+            scan_op, step, start_carry, [steps], extra, False, g_full, out_diff, named=("while_loop", "body_fn")
+        )
         g_extra = pulled[nc + 1 :]
         return (*[pulled[i] for i in d_c], *[s + g_extra[i] for s, i in zip(acc, d_e, strict=True)])
 

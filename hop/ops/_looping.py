@@ -705,7 +705,8 @@ class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         init, xs, additional = _split(saved_operands(ctx), ctx.counts)
-        grads_in = scan_vjp(ctx.L.scan, ctx.body, init, xs, additional, ctx.reverse, grads, ctx.out_diff)
+        named = (ctx.L.name, ctx.L.role)
+        grads_in = scan_vjp(ctx.L.scan, ctx.body, init, xs, additional, ctx.reverse, grads, ctx.out_diff, named=named)
         return (None, None, None, None, *grads_in)
 
     @staticmethod
@@ -728,17 +729,21 @@ def scan_vjp(
     reverse: bool,
     grads: Sequence[Any],
     out_diff: Sequence[bool],
+    *,
+    named: tuple[str, str] = ("scan", "the body"),
 ) -> list[Any]:
     """Gradients of every operand: a scan in the other direction over the stacked input
     carries (recomputed by a forward scan), ``xs`` and the cotangents of ``ys``; its carry
-    is the cotangent of the carry and the running sum of the gradients of the additional inputs."""
+    is the cotangent of the carry and the running sum of the gradients of the additional inputs.
+    ``named``: the operator the user called and its callable, for errors (map, a loop's
+    backward and associative_scan run this too)."""
     nc = len(init)
     dc, dx, da = differentiable_at(init), differentiable_at(xs), differentiable_at(additional)
     dy = [j for j in range(len(grads) - nc) if out_diff[nc + j]]
     carries: tuple[Any, ...] = ()
     if nc:
         carries = as_tuple(scan_op(_carries_body(body, nc), init, xs, additional, reverse))[nc:]
-    step = _vjp_body(body, (nc, len(xs), len(additional)), dc, dx, da, dy)
+    step = _vjp_body(body, (nc, len(xs), len(additional)), dc, dx, da, dy, named)
     g_carry = [grads[i] for i in dc]
     g_ys = [grads[nc + j] for j in dy]
     zeros = [torch.zeros_like(additional[i]) for i in da]
@@ -756,7 +761,15 @@ def _carries_body(body: Fn, nc: int) -> Fn:
     return carries
 
 
-def _vjp_body(body: Fn, counts: tuple[int, int, int], dc: list[int], dx: list[int], da: list[int], dy: list[int]) -> Fn:
+def _vjp_body(
+    body: Fn,
+    counts: tuple[int, int, int],
+    dc: list[int],
+    dx: list[int],
+    da: list[int],
+    dy: list[int],
+    named: tuple[str, str],
+) -> Fn:
     """``(*g_carry, *g_add, *carry, *x, *g_y, *additional) -> (*g_carry_in, *g_add + step's, *g_x)``."""
     nc, nx, _ = counts
 
@@ -773,7 +786,7 @@ def _vjp_body(body: Fn, counts: tuple[int, int, int], dc: list[int], dx: list[in
             return (*[out[i] for i in dc], *[out[nc + j] for j in dy])
 
         primals = [*[carry[i] for i in dc], *[x[i] for i in dx], *[additional[i] for i in da]]
-        with _transforms.torch_ops_without_rules("scan", "the body"):
+        with _transforms.torch_ops_without_rules(*named):
             grads = torch.func.vjp(on_diff, *primals)[1]((*g_carry, *g_y))
         g_x, g_add_step = grads[len(dc) : len(dc) + len(dx)], grads[len(dc) + len(dx) :]
         return (*grads[: len(dc)], *[a + b for a, b in zip(g_add, g_add_step, strict=True)], *g_x)

@@ -319,7 +319,17 @@ class _Function(torch.autograd.Function):
         g_ys = [g[1:] if d else None for g, d in zip(grads, diff, strict=True)]
         zeros = [torch.zeros_like(i) if d else None for i, d in zip(init, diff, strict=True)]
         rest = [x[1:] for x in xs]
-        g = lp.scan_vjp(scan_op, _sequential(ctx.combine_fn), init, rest, additional, False, (*zeros, *g_ys), diff * 2)
+        g = lp.scan_vjp(
+            scan_op,
+            _sequential(ctx.combine_fn),
+            init,
+            rest,
+            additional,
+            False,
+            (*zeros, *g_ys),
+            diff * 2,
+            named=(_NAME, "combine_fn"),
+        )
         g_xs = [
             None if gi is None else torch.cat([(gi + g0[0]).unsqueeze(0), gr])
             for gi, gr, g0 in zip(g[:nx], g[nx : 2 * nx], grads, strict=True)

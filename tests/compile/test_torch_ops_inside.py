@@ -82,6 +82,9 @@ def test_compile_without_grad(fn: Fn) -> None:
         torch.testing.assert_close(compiled(x), fn(x))
 
 
+CALLED = {"in_loop": "while_loop", "in_branch": "cond", "in_scan": "scan"}
+
+
 @pytest.mark.parametrize("fn", PROGRAMS, ids=lambda f: f.__name__)
 def test_compiled_training_says_what_to_do(fn: Fn) -> None:
     # was: KeyError: <TransformType.Grad: 2> (hop differentiates its callables with
@@ -94,6 +97,8 @@ def test_compiled_training_says_what_to_do(fn: Fn) -> None:
     while cause is not None and not isinstance(cause, HopError):
         cause = cause.__cause__ or cause.__context__
     assert isinstance(cause, HopError)
+    # the operator the user called (a loop's backward is a scan: it said "hop.scan")
+    assert str(cause).startswith(f"hop.{CALLED[fn.__name__]}: "), str(cause)
 
 
 def test_torch_while_loop_inside_a_hop_loop_runs_eagerly() -> None:
