@@ -138,6 +138,11 @@ def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands
 # assert fails under torch.compile, and an AOTInductor package (which has no such
 # asserts) reads it with the wrong strides: wrong values, silently. Each operand is
 # first made to have exactly its traced strides (a copy where it does not).
+# A view of a value not yet computed (a reshape of a gather) has its storage
+# computed first, so that the copy reads a buffer: copied straight from the
+# unrealized value, the copy's kernel would inline the whole chain of index
+# arithmetic, which Inductor's C++ codegen fails on under dynamic shapes (torch
+# fails so on ``reshape(gather(x)) * 0.5`` alone, with no control flow).
 
 
 def _traced_strides(values: Sequence[Any], traced: Any) -> list[Any]:
@@ -149,6 +154,10 @@ def _traced_strides(values: Sequence[Any], traced: Any) -> list[Any]:
     for k, (value, node) in enumerate(zip(out, nodes, strict=False)):
         val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
         if isinstance(val, torch.Tensor) and isinstance(value, ir.IRNode):
+            if isinstance(value, ir.TensorBox) and isinstance(value.data, ir.BaseView):
+                storage = value.unwrap_view()
+                if isinstance(storage, ir.StorageBox):
+                    storage.realize()
             out[k] = ir.ExternKernel.require_exact_strides(value, val.stride(), allow_padding=False)
     return out
 

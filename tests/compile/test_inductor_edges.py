@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch._inductor.exc import InductorError
 
 import hop
 from hop.errors import CompileUnsupported
@@ -197,18 +196,9 @@ _GATHERED = [
 ]
 
 
-_LOUD = pytest.mark.xfail(
-    strict=True,
-    raises=InductorError,
-    reason="open (issue 21): the copy that gives the operand its traced strides, whose sizes are "
-    "floor divisions of the size symbol, fails Inductor's C++ codegen ('StrictGreaterThan' object "
-    "has no attribute 'diff'); a loud error, never a wrong value",
-)
-
-
 @pytest.mark.parametrize(
     "fn",
-    [pytest.param(_GATHERED[0], marks=_LOUD), pytest.param(_GATHERED[1], marks=_LOUD), _GATHERED[2]],
+    _GATHERED,
     ids=["while_loop", "cond", "scan"],
 )
 def test_operands_whose_traced_strides_are_floor_divisions(fn: Any) -> None:
