@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import (
 )
 
 from hop import _observe, _records
-from hop._subgraph import closure_tensors
+from hop._closures import closure_tensors
 from hop._transforms import is_user_mode
 from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
 

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.variables import ConstantVariable
 from torch._dynamo.variables.lists import BaseListVariable
 
-from hop import _subgraph
+from hop import _output_checks
 from hop.compile._dynamo_capture import (
     VT,
     HopVariable,
@@ -61,7 +61,7 @@ class _BranchingVariable(HopVariable):
             speculate(tx, self.value, role, fn, items(tx, operands)) for role, fn in zip(roles, branches, strict=True)
         ]
         outs = [pytree.tree_unflatten([example(o) for o in s.outputs], s.out_spec()) for s in subs]
-        _subgraph.check_same_outputs(name, roles, outs, fns=fns)
+        _output_checks.check_same_outputs(name, roles, outs, fns=fns)
         check_spec_order(name, [s.out_spec() for s in subs], "branches returning")
         n = len(subs[0].outputs)
         lone_int = n == 1 and not subs[0].outputs[0].is_tensor()

@@ -38,7 +38,7 @@ from torch._dynamo.variables.lazy import LazyVariableTracker
 from torch._dynamo.variables.lists import BaseListVariable
 from torch._dynamo.variables.tensor import SymNodeVariable
 
-from hop import _observe, _subgraph
+from hop import _effects, _observe
 from hop._transforms import DYNAMO_CALL
 from hop.compile._torch_api import fake_propagation_errors
 from hop.errors import CompileUnsupported, HopError, format_message
@@ -415,7 +415,7 @@ def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgra
             f"{role} writing one of its inputs in place",
             fix=f"Return the new value from {role} instead of writing the input.",
         )
-    effect = _subgraph.untokened_effect(graph)
+    effect = _effects.untokened_effect(graph)
     if effect is not None:
         raise unsupported(
             name,

@@ -19,7 +19,7 @@ from torch._dynamo.variables import TupleVariable
 from torch._dynamo.variables.builder import SourcelessBuilder
 from torch._dynamo.variables.lists import BaseListVariable
 
-from hop import _subgraph
+from hop import _output_checks
 from hop._unbacked import _changes, _generalize, _placeholder, trial_run
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._dynamo_capture import (
@@ -102,7 +102,7 @@ class WhileLoopVariable(HopVariable):
 
         def check(carry: Any, out: Any) -> None:
             out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-            _subgraph.check_same_outputs(
+            _output_checks.check_same_outputs(
                 "while_loop", ("carried_inputs", "body_fn"), (tuple(carry), out), root="carry", fns=(None, fns[1])
             )
 
@@ -133,7 +133,7 @@ class WhileLoopVariable(HopVariable):
             lower = method(tx, method(tx, upper, "new_zeros", ()), "__add__", lower)
 
         def check(carry: Any, out: Any) -> None:
-            _subgraph.check_same_outputs(
+            _output_checks.check_same_outputs(
                 "fori_loop", ("init_val", "body_fn"), (carry[1], out[1]), root="val", fns=(None, fn)
             )
 

@@ -32,9 +32,9 @@ import optree
 import torch
 from torch._C._functorch import _add_batch_dim
 
-from hop import _subgraph, _transforms, _validation
+from hop import _closures, _effects, _lifting, _output_checks, _tracing, _transforms, _validation
 from hop._operator import HigherOrderOperator
-from hop._subgraph import flatten_dropping_none, leaf_paths_dropping_none
+from hop._pytree import flatten_dropping_none, leaf_paths_dropping_none
 from hop._unbacked import assert_ranges, per_step_sizes, rebind_sizes, recording, run_in_subgraph
 from hop.errors import (
     HopRuntimeError,
@@ -193,7 +193,7 @@ def not_a_pair(L: Looping, fn: Fn, out: Any) -> HopTypeError:
     return HopTypeError(
         format_message(
             L.name,
-            f"{L.role} must return a (next_carry, y) pair, got {got} ({L.role} is {_subgraph.describe_fn(fn)})",
+            f"{L.role} must return a (next_carry, y) pair, got {got} ({L.role} is {_output_checks.describe_fn(fn)})",
             fix="Return a tuple (next_carry, y); use () or None for an empty carry or no y.",
         ),
         op=L.name,
@@ -212,7 +212,7 @@ def check_like(name: str, role: str, fn: Fn, ref: Any, out: Any, root: str, pair
     dtype, device and shape; errors name ``root``-based paths and ``pair`` ("init and next_carry")."""
     leaves, spec = flatten_dropping_none(out)
     ref_leaves, ref_spec = flatten_dropping_none(ref)
-    where = f"({role} is {_subgraph.describe_fn(fn)})"
+    where = f"({role} is {_output_checks.describe_fn(fn)})"
     fix = fix or f"{role} must return values with the structure, dtypes, devices and shapes of its inputs."
     if spec != ref_spec:
         raise OutputMismatchError(
@@ -295,7 +295,7 @@ def _same_dtype(col: Sequence[Any]) -> list[Any]:
 
 def ys_error(L: Looping, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopValueError | None:
     """Why the outputs of the iterations cannot be stacked along ``dim``."""
-    where = f"({L.role} is {_subgraph.describe_fn(fn)})"
+    where = f"({L.role} is {_output_checks.describe_fn(fn)})"
     first, spec = flatten_dropping_none(ys[0])
     for path, leaf in zip(leaf_paths_dropping_none(ys[0], root), first, strict=True):
         if not isinstance(leaf, _Tensor):
@@ -358,7 +358,7 @@ def empty_slices(leaves: Sequence[torch.Tensor], dims: Sequence[int]) -> list[to
 def no_alias(leaves: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
     """``leaves`` with every tensor that is or views an input cloned."""
     if any(isinstance(o, _Tensor) and (o._is_view() or any(o is x for x in inputs)) for o in leaves):
-        return _subgraph.clone_aliases(leaves, inputs)
+        return _effects.clone_aliases(leaves, inputs)
     return list(leaves)
 
 
@@ -379,7 +379,7 @@ def _no_empty_metadata(L: Looping, fn: Fn, e: Exception) -> HopRuntimeError:
     avoid = "calling modules with forward hooks" if hooked else "data-dependent shapes"
     return _empty_loop_error(
         L,
-        f"the shapes of the outputs cannot be found without running {L.role} ({_subgraph.describe_fn(fn)}), "
+        f"the shapes of the outputs cannot be found without running {L.role} ({_output_checks.describe_fn(fn)}), "
         f"which fails on fake tensors: {why}",
         f"Scan over a non-empty dimension, or avoid {avoid} in the function.",
     )
@@ -438,10 +438,10 @@ def autograd(
 ) -> Any:
     """Inline for real tensors (Note [scans run inline]), else one node differentiated by scans;
     what the body closes over and needs grad for becomes additional inputs of the node
-    (Note [closure conversion] in hop._subgraph: a node differentiates its inputs only)."""
+    (Note [closure conversion] in hop._closures: a node differentiates its inputs only)."""
     if runs_inline(xs[0].shape[0], init, xs, additional):
         return dense(L, body, init, xs, additional, reverse)
-    (body,), captured = _subgraph.convert_closures([body], [*init, *xs, *additional])
+    (body,), captured = _closures.convert_closures([body], [*init, *xs, *additional])
     additional = (*additional, *captured)
     counts = (len(init), len(xs), len(additional))
     return _ScanFunction.apply(L, body, reverse, counts, *init, *xs, *additional)  # type: ignore[no-untyped-call]
@@ -474,7 +474,7 @@ def check_static(L: Looping, fn: Fn, ys: Sequence[Any], paths: Sequence[str]) ->
         if not all(type(s) is int for s in y.shape):
             raise _empty_loop_error(
                 L,
-                f"{L.role} ({_subgraph.describe_fn(fn)}) returns {path} of a data-dependent shape "
+                f"{L.role} ({_output_checks.describe_fn(fn)}) returns {path} of a data-dependent shape "
                 f"{tuple(y.shape)}: the shape of the empty output cannot be known",
                 f"Loop over a non-empty dimension, or make the shapes of {L.role}'s outputs data-independent.",
                 path,
@@ -499,9 +499,9 @@ def _empty_here(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], ad
 def lift_transform_closures(body: Fn, level: int) -> tuple[Fn, list[Any]]:
     """The tensors wrapped by the torch.func grad / jvp transform at ``level`` that ``body``
     closes over, and ``body`` taking them as extra trailing inputs that replace them
-    (:func:`hop._subgraph.convert_closures`). A traced node is differentiated with respect
+    (:func:`hop._closures.convert_closures`). A traced node is differentiated with respect
     to its inputs only: without this, their gradients would silently be zero."""
-    (body,), found = _subgraph.convert_closures([body], (), level)
+    (body,), found = _closures.convert_closures([body], (), level)
     return body, found
 
 
@@ -513,7 +513,7 @@ def lift_closures(body: Fn, examples: Callable[[], Sequence[Any]]) -> tuple[Fn, 
     Under C++ functionalization (``torch._enable_functionalization``) the values are
     functional wrappers, which the tracer below them does not know: a trace here would
     bake their contents into the graph. The closures are then found statically
-    (:func:`hop._subgraph.convert_closures`); the op's functionalize rule traces the body."""
+    (:func:`hop._closures.convert_closures`); the op's functionalize rule traces the body."""
     from torch.fx.experimental import proxy_tensor
 
     if (
@@ -525,9 +525,9 @@ def lift_closures(body: Fn, examples: Callable[[], Sequence[Any]]) -> tuple[Fn, 
     with proxy_tensor.disable_proxy_modes_tracing():
         values = list(examples())
         if any(isinstance(v, _Tensor) and torch._is_functional_tensor(v) for v in values):
-            (converted,), captured = _subgraph.convert_closures([body], values)
+            (converted,), captured = _closures.convert_closures([body], values)
             return converted, captured
-        (gm,), lifted = _subgraph.trace_branches([body], values)
+        (gm,), lifted = _lifting.trace_branches([body], values)
     if not lifted:
         return body, []
     gm.__wrapped__ = body  # type: ignore[assignment]  # names the function in errors
@@ -577,7 +577,7 @@ def functionalize(
     """Functionalize the body and call the op on the unwrapped operands."""
     init_u, xs_u, add_u = (ctx.unwrap_tensors(list(v)) for v in (init, xs, additional))
     with ctx.redispatch_to_next():
-        out = L.call(_subgraph.functionalize_body(ctx, body, L.name, L.role), init_u, xs_u, add_u, reverse)
+        out = L.call(_effects.functionalize_body(ctx, body, L.name, L.role), init_u, xs_u, add_u, reverse)
     return ctx.wrap_tensors(out)
 
 
@@ -605,7 +605,7 @@ def _check_same_size_every_step(
     """Refuse ys whose size is computed from the carry or the slices: it may differ
     between steps. A size computed from the other inputs alone is the same in every step."""
     gm = body if isinstance(body, torch.fx.GraphModule) else None
-    gm = gm or _subgraph.trace_subgraph(body, examples(init, xs, additional))
+    gm = gm or _tracing.trace_subgraph(body, examples(init, xs, additional))
     found = per_step_sizes(gm, len(init) + len(xs), range(len(init), n_out))
     if found:
         k, d, sym = found[0]
@@ -639,8 +639,8 @@ def examples(init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) 
     """Fresh values to trace a body on (the carry must not alias closed-over tensors, nor
     two carries each other), and the additional inputs. Real values are copies of the
     initial carry and the first slice (Note [bodies are traced on values they can see]
-    in hop._subgraph); a real xs of length 0 has no slice: zeros stand in for one."""
-    carries = [_subgraph.trace_example(c) for c in init]
+    in hop._tracing); a real xs of length 0 has no slice: zeros stand in for one."""
+    carries = [_tracing.trace_example(c) for c in init]
     slices = [_example_slice(x, e) for x, e in zip(xs, empty_slices(xs, [0] * len(xs)), strict=True)]
     return [*carries, *slices, *additional]
 
@@ -648,19 +648,19 @@ def examples(init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) 
 def _example_slice(x: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     if not _transforms.is_plain_tensor(x):
         return empty  # fake, meta: no data to copy
-    return _subgraph.trace_example(x.select(0, 0)) if x.shape[0] else torch.zeros_like(empty)
+    return _tracing.trace_example(x.select(0, 0)) if x.shape[0] else torch.zeros_like(empty)
 
 
 def proxy(
     L: Looping, mode: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
 ) -> Any:
     """Trace the body on fresh example values (lifting what it closes over) and record one node."""
-    (gm,), lifted = _subgraph.trace_branches([body], examples(init, xs, additional))
+    (gm,), lifted = _lifting.trace_branches([body], examples(init, xs, additional))
     check_body_effects(L.name, L.role, body, gm)
     all_additional = (*additional, *lifted)
     with recording() as fresh:
         out = L.call(gm, init, xs, all_additional, reverse)  # the proxy mode is popped: this reaches the fake rule
-    result = _subgraph.emit(mode, L.op, L.node_args(gm, tuple(init), tuple(xs), all_additional, reverse), out)
+    result = _tracing.emit(mode, L.op, L.node_args(gm, tuple(init), tuple(xs), all_additional, reverse), out)
     assert_ranges(mode, L.name, result, fresh, why=f"the range {L.role} gives it")
     return result
 

@@ -36,7 +36,7 @@ from torch._C._functorch import TransformType, _add_batch_dim
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference, _subgraph, _transforms
+from hop import _closures, _effects, _lifting, _observe, _observe_calls, _pytree, _reference, _tracing, _transforms
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
@@ -89,7 +89,7 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
         return _observe_calls.watch(_NAME, associative_scan, (combine_fn, xs, dim, reverse, combine_mode))
     check_options(combine_fn, reverse, combine_mode)
-    leaves, spec = _subgraph.flatten_dropping_none(xs)
+    leaves, spec = _pytree.flatten_dropping_none(xs)
     dims, n = lp.check_xs(_NAME, xs, leaves, dim)
     moved = [x.movedim(d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
     moved = [x.flip(0) for x in moved] if reverse else moved
@@ -100,7 +100,7 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
         body, lifted = lp.lift_closures(body, lambda: [*lp.examples((), moved, ()), *lp.examples((), moved, ())])
         out = associative_scan_op(body, tuple(moved), tuple(lifted), combine_mode)
     out = [o.flip(0) for o in as_tuple(out)] if reverse else as_tuple(out)
-    return _subgraph.unflatten([o.movedim(0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
+    return _pytree.unflatten([o.movedim(0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
 
 
 def check_options(combine_fn: Any, reverse: Any, combine_mode: Any) -> None:
@@ -123,8 +123,8 @@ def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
     n = spec.num_leaves
 
     def body(*leaves: Any) -> tuple[Any, ...]:
-        lhs = _subgraph.unflatten(leaves[:n], spec)
-        out = combine_fn(lhs, _subgraph.unflatten(leaves[n : 2 * n], spec))
+        lhs = _pytree.unflatten(leaves[:n], spec)
+        out = combine_fn(lhs, _pytree.unflatten(leaves[n : 2 * n], spec))
         return tuple(lp.check_like(_NAME, "combine_fn", combine_fn, lhs, out, "output", "xs and the output"))
 
     body.__qualname__ = getattr(combine_fn, "__qualname__", type(combine_fn).__qualname__)
@@ -181,13 +181,13 @@ def associative_scan_autograd(
     """Real tensors: autograd records the algorithm's own ops (Note [parallel prefix]).
     Traced ones: one node, differentiated as the sequential scan it equals; what
     ``combine_fn`` closes over and needs grad for becomes additional inputs of the
-    node (Note [closure conversion] in hop._subgraph: a node differentiates its inputs only)."""
+    node (Note [closure conversion] in hop._closures: a node differentiates its inputs only)."""
     n = xs[0].shape[0]
     if type(n) is int and n == 0:  # an empty scan is its input, under every transform
         return lp.pack([x.clone() for x in xs])
     if lp.runs_inline(n, xs, additional_inputs):
         return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
-    (combine_fn,), captured = _subgraph.convert_closures([combine_fn], [*xs, *additional_inputs])
+    (combine_fn,), captured = _closures.convert_closures([combine_fn], [*xs, *additional_inputs])
     args = (*xs, *additional_inputs, *captured)
     return _Function.apply(combine_fn, combine_mode, len(xs), *args)  # type: ignore[no-untyped-call]
 
@@ -246,7 +246,7 @@ def associative_scan_functionalize(
 ) -> Any:
     xs_u, add_u = ctx.unwrap_tensors(list(xs)), ctx.unwrap_tensors(list(additional_inputs))
     with ctx.redispatch_to_next():
-        combine = _subgraph.functionalize_body(ctx, combine_fn, _NAME, "combine_fn")
+        combine = _effects.functionalize_body(ctx, combine_fn, _NAME, "combine_fn")
         out = associative_scan_op(combine, tuple(xs_u), tuple(add_u), combine_mode)
     return ctx.wrap_tensors(out)
 
@@ -272,11 +272,11 @@ def associative_scan_proxy(
     combine_mode: str,
 ) -> Any:
     examples = [*lp.empty_slices(xs, [0] * len(xs)), *lp.empty_slices(xs, [0] * len(xs)), *additional_inputs]
-    (gm,), lifted = _subgraph.trace_branches([combine_fn], examples)
+    (gm,), lifted = _lifting.trace_branches([combine_fn], examples)
     lp.check_body_effects(_NAME, "combine_fn", combine_fn, gm)
     all_additional = (*additional_inputs, *lifted)
     out = associative_scan_op(gm, tuple(xs), all_additional, combine_mode)  # reaches the fake rule
-    return _subgraph.emit(mode, associative_scan_op, (gm, tuple(xs), all_additional, combine_mode), out)
+    return _tracing.emit(mode, associative_scan_op, (gm, tuple(xs), all_additional, combine_mode), out)
 
 
 def _sequential(combine_fn: Fn) -> Fn:

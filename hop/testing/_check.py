@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from hop import _reference
-from hop._subgraph import flatten, leaf_paths, unflatten
+from hop._pytree import flatten, leaf_paths, unflatten
 from hop.errors import CompileUnsupported, HopTypeError, HopValueError, format_message
 
 __all__ = ["COMPILED", "TRANSFORMS", "CheckFailure", "Report", "bundle", "check", "reference"]
