@@ -46,7 +46,7 @@ from hop.ops._common import (
     save_operands,
     saved_operands,
 )
-from hop.ops._looping import leaf_difference
+from hop.ops._loop_checks import leaf_difference
 
 __all__ = ["while_loop", "while_loop_op"]
 
