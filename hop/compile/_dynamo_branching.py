@@ -19,23 +19,25 @@ from torch._dynamo.variables.lists import BaseListVariable
 
 from hop import _output_checks
 from hop.compile._dynamo_capture import (
-    VT,
     HopVariable,
     bare_single_output,
-    callable_stand_in,
     check_spec_order,
     drop_constant_inputs,
     emit,
+    install,
+    output_items,
+    share_lifted,
+    speculate,
+)
+from hop.compile._dynamo_values import (
+    VT,
+    callable_stand_in,
     example,
     example_tree,
     flatten,
-    install,
     items,
     method,
-    output_items,
-    share_lifted,
     shown,
-    speculate,
     unflatten,
 )
 from hop.errors import HopTypeError, HopValueError, format_message, type_name

@@ -23,32 +23,33 @@ from hop import _output_checks
 from hop._unbacked import _changes, _generalize, _placeholder, trial_run
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._dynamo_capture import (
-    VT,
     HopVariable,
     Subgraph,
-    as_graph_break,
     bare_single_output,
-    callable_stand_in,
     check_spec_order,
     compiles_with_inductor,
-    constant,
     emit,
+    install,
+    output_items,
+    share_lifted,
+    speculate,
+)
+from hop.compile._dynamo_errors import as_graph_break, unsupported
+from hop.compile._dynamo_values import (
+    VT,
+    callable_stand_in,
+    constant,
     example,
     example_tree,
     flatten,
     fresh,
     fresh_input,
-    install,
     items,
     method,
-    output_items,
     proxies,
-    share_lifted,
     shown,
-    speculate,
     unbound_dims,
     unflatten,
-    unsupported,
 )
 from hop.errors import HopTypeError, format_message, type_name
 from hop.ops import _checkpoint
@@ -281,7 +282,7 @@ def _fori_body(body_fn: Callable[..., Any], i: Any, val: Any) -> Any:
 
 def _with_leading_sizes(tx: Any, fn: VT, n: int) -> VT:
     """``fn`` preceded by ``n`` ignored arguments: the sizes a subgraph binds first
-    (:func:`hop.compile._dynamo_capture.unbound_dims`), turned into ``sym_size`` reads by :func:`_bind_sizes`."""
+    (:func:`hop.compile._dynamo_values.unbound_dims`), turned into ``sym_size`` reads by :func:`_bind_sizes`."""
     partial = SourcelessBuilder.create(tx, functools.partial)
     return partial.call_function(tx, [SourcelessBuilder.create(tx, _drop_leading), constant(n), fn], {})
 
