@@ -4,8 +4,8 @@
 while the sub-tracer's trackers ask the parent tracer for values they miss, adds a
 placeholder for each (tensors, SymInts, tensor constants the branch made) and
 aligns every branch's placeholders on one list of lifted values. Separate from
-``hop._tracing`` because it reaches into make_fx's trackers, the most
-torch-version-sensitive code of the tracing layer.
+``hop._tracing`` because it swaps the sub-tracer's trackers for its own while a
+branch is traced; plain tracing leaves the tracer as it finds it.
 """
 
 from __future__ import annotations
