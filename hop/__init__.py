@@ -6,8 +6,7 @@ Public API only; docs/ is the user guide (docs/index.md) and the framework guide
 import importlib
 from typing import Any
 
-from hop import _subgraph as subgraph
-from hop import config, debug, errors
+from hop import config, debug, errors, subgraph
 from hop._operator import HigherOrderOperator, registered_ops
 from hop.compile import dynamo as _dynamo  # noqa: F401  (Dynamo handlers, registered when torch loads Dynamo)
 from hop.compile import inductor as _inductor  # noqa: F401  (Inductor lowerings, registered when torch loads Inductor)

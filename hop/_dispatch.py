@@ -48,8 +48,8 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
-from hop import _observe, debug
-from hop._subgraph import closure_tensors
+from hop import _observe, _records
+from hop._closures import closure_tensors
 from hop._transforms import is_user_mode
 from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
 
@@ -85,7 +85,7 @@ _grad_enabled = torch.is_grad_enabled
 _BelowAutograd = torch._C._AutoDispatchBelowAutograd
 _is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
-_SINKS = debug.SINKS
+_SINKS = _records.SINKS
 _SEQUENCES = (tuple, list)
 _CONTAINERS = (tuple, list, dict)
 
@@ -149,7 +149,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 def _record(op: Operator, key: Any, route: str, kernel: Any = None, detail: Any = None) -> None:
     name = getattr(kernel, "__qualname__", None) if kernel is not None else None
     key_name = str(key).removeprefix("DispatchKey.")
-    rec = debug.DispatchRecord(
+    rec = _records.DispatchRecord(
         op.name(), key_name, route, name, None if detail is None else str(detail), depth=_observe.depth(op.name())
     )
     _observe.dispatched(rec)

@@ -22,7 +22,7 @@ of output kinds; usual: one of them (None if there is none), compared first with
 building a tuple; names: per branch the globals its code loads (None for a
 builtin); key: the verdict's key. Whether a branch can read a tensor but its
 argument is decided again on every call that needs it, from each function's
-defaults and the current values of those globals (hop._subgraph.is_inert): the
+defaults and the current values of those globals (hop._closures.is_inert): the
 entry holds no value that could change.
 
 Threads: reading the selector may release the GIL, and another thread may then
@@ -51,7 +51,7 @@ static PyObject *mode_stack_len; /* torch._C._len_torch_dispatch_stack */
 static PyObject *functorch_level;/* torch._C._functorch.maybe_current_level */
 static PyObject *tf_mode;        /* torch._C._is_torch_function_mode_enabled */
 static PyObject *grad_enabled;   /* torch.is_grad_enabled */
-static PyObject *inert_types;    /* hop._subgraph.INERT_TYPES (a frozenset) */
+static PyObject *inert_types;    /* hop._closures.INERT_TYPES (a frozenset) */
 static PyObject *s_dtype, *s_ndim, *s_get_device, *s_requires_grad, *s_is_view, *s_validate, *s_active;
 
 enum { E_ITEMS, E_DTYPE, E_NDIM, E_DEVICE, E_KINDS, E_USUAL, E_NAMES, E_KEY, E_SIZE };
@@ -131,7 +131,7 @@ truth_of(PyObject *t, PyObject *name, int method)
     return yes;
 }
 
-/* 1 when v can lead to no tensor (hop._subgraph.is_inert, the same): an inert
+/* 1 when v can lead to no tensor (hop._closures.is_inert, the same): an inert
    type's value, a class, or a builtin whose owner is one. Runs no Python code. */
 static int
 is_inert(PyObject *v)

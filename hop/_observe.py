@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch._logging import _internal as _torch_logging
 
-from hop.debug import SINKS, DispatchRecord
+from hop._records import SINKS, DispatchRecord
 
 __all__ = ["SINKS", "claim", "frame", "note", "emit", "structured_on", "artifact"]
 

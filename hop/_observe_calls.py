@@ -10,8 +10,8 @@ import torch
 
 from hop import _observe, config
 from hop._observe import Frame
-from hop._subgraph import flatten_dropping_none
-from hop.debug import DispatchRecord
+from hop._pytree import flatten_dropping_none
+from hop._records import DispatchRecord
 
 __all__ = ["call_record", "watch"]
 

@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from hop import _observe
-from hop.debug import DispatchRecord
+from hop._records import DispatchRecord
 
 __all__ = ["traced_node", "captured", "unified", "runtime_assert", "graph_break"]
 

@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_tru
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from hop import _observe, _subgraph
+from hop import _observe, _output_checks, _pytree, _tracing
 from hop.errors import OutputMismatchError, format_message
 
 __all__ = [
@@ -160,10 +160,10 @@ class Unifier:
     def outputs(self, outs: Sequence[Any], root: str = "output") -> Any:
         """One pytree standing for ``outs`` (one per branch, already checked to agree
         in structure, kinds, dtypes and ranks), shaped like ``outs[0]``."""
-        flat = [_subgraph.flatten(o)[0] for o in outs]
-        paths = _subgraph.leaf_paths(outs[0], root)
+        flat = [_pytree.flatten(o)[0] for o in outs]
+        paths = _pytree.leaf_paths(outs[0], root)
         merged = [self.leaf(list(col), path) for path, col in zip(paths, zip(*flat, strict=True), strict=True)]
-        return _subgraph.unflatten(merged, _subgraph.flatten(outs[0])[1])
+        return _pytree.unflatten(merged, _pytree.flatten(outs[0])[1])
 
     def leaf(self, leaves: Sequence[Any], path: str) -> Any:
         first = leaves[0]
@@ -291,8 +291,8 @@ def assert_ranges(
     from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
     tracer, pending = mode.tracer, {f.expr: f for f in fresh}
-    leaves = _subgraph.flatten(out)[0]
-    for path, leaf in zip(_subgraph.leaf_paths(out, root), leaves, strict=True):
+    leaves = _pytree.flatten(out)[0]
+    for path, leaf in zip(_pytree.leaf_paths(out, root), leaves, strict=True):
         sizes = (
             [(f"{path}.size({d})", s) for d, s in enumerate(leaf.shape)]
             if isinstance(leaf, torch.Tensor)
@@ -384,7 +384,7 @@ def _fixpoint(
     from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
 
     varying: list[set[int]] = [set() for _ in carried]
-    carried = tuple(_subgraph.unknown_value(c) for c in carried)  # a literal's value is the first step's only
+    carried = tuple(_tracing.unknown_value(c) for c in carried)  # a literal's value is the first step's only
     current, out = carried, carried
     for _ in range(8):
         ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else nullcontext()
@@ -392,7 +392,7 @@ def _fixpoint(
             out = as_tuple(body_fn(*current, *additional))
         # the raw op's body is not checked by the user function: one output per carry, of its kind
         roles = ("carried_inputs", "body_fn")
-        _subgraph.check_same_outputs(op, roles, (current, out), root="carry", fns=(None, body_fn))
+        _output_checks.check_same_outputs(op, roles, (current, out), root="carry", fns=(None, body_fn))
         grew = False
         for k, (c, o) in enumerate(zip(current, out, strict=True)):
             new = _changes(c, o) - varying[k]
@@ -513,7 +513,7 @@ def per_step_sizes(gm: torch.fx.GraphModule, n_stepped: int, outputs: range) -> 
             tainted.add(node)
             stepped_syms |= set(node.meta.get("unbacked_bindings") or ())
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = _subgraph.flatten(out_node.args[0])[0]
+    flat = _pytree.flatten(out_node.args[0])[0]
     found: list[tuple[int, int, Any]] = []
     for k in outputs:
         val = flat[k].meta.get("val") if isinstance(flat[k], torch.fx.Node) else None

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hop import _observe, _subgraph, config
+from hop import _closures, _observe, _pytree, config
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 
 __all__ = [
@@ -139,7 +139,7 @@ def callable_key(fn: Any) -> Any:
     if isinstance(fn, functools.partial):
         kwargs = tuple(sorted((k, value_key(v)) for k, v in fn.keywords.items()))
         return (callable_key(fn.func), *map(value_key, fn.args), kwargs)
-    if type(fn) is BuiltinFunctionType and not _subgraph.is_inert(fn):
+    if type(fn) is BuiltinFunctionType and not _closures.is_inert(fn):
         # w.mul: a method object made per access, whose address a later one reuses
         # after it is freed (an id would find another method's verdict)
         return ("builtin method", fn.__name__, type(fn.__self__), value_key(fn.__self__))
@@ -248,7 +248,7 @@ def output_kind(out: Any) -> Any:
     """What a verdict records of an output (Note [outputs are checked on every call])."""
     if isinstance(out, _Tensor):
         return (out.dtype, out.ndim, out.get_device())
-    leaves, spec = _subgraph.flatten(out)
+    leaves, spec = _pytree.flatten(out)
     return (
         spec,
         *[
@@ -277,7 +277,7 @@ def describe_kind(value: Any, *, kind: bool = False) -> str:
         return leaf(k)
     spec, *leaves = k
     shown = ", ".join(leaf(x) for x in leaves)
-    return f"{spec.num_leaves} leaves in {_subgraph.unflatten(['*'] * spec.num_leaves, spec)!r} ({shown})"
+    return f"{spec.num_leaves} leaves in {_pytree.unflatten(['*'] * spec.num_leaves, spec)!r} ({shown})"
 
 
 def _describe_output_kind(kind: Any) -> str:

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 import hop
-from hop import _subgraph
+from hop import subgraph
 
 apply = hop.HigherOrderOperator("test_apply")
 
@@ -32,7 +32,7 @@ def _like(out: Any, flat: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> Any:
 @apply.py_impl(DispatchKey.CompositeExplicitAutograd)
 def apply_dense(fn: Any, *tensors: torch.Tensor) -> Any:
     out = fn(*tensors)
-    return _like(out, _subgraph.clone_aliases(_as_tuple(out), tensors))
+    return _like(out, subgraph.clone_aliases(_as_tuple(out), tensors))
 
 
 class _ApplyFunction(torch.autograd.Function):
@@ -111,6 +111,6 @@ def apply_fake(mode: FakeTensorMode, fn: Any, *tensors: torch.Tensor) -> Any:
 
 @apply.py_impl(ProxyTorchDispatchMode)
 def apply_proxy(mode: ProxyTorchDispatchMode, fn: Any, *tensors: torch.Tensor) -> Any:
-    gm = _subgraph.trace_subgraph(fn, tensors)
+    gm = subgraph.trace_subgraph(fn, tensors)
     out = apply(gm, *tensors)  # the proxy mode is popped: this reaches the fake rule
-    return _subgraph.emit(mode, apply, (gm, *tensors), out)
+    return subgraph.emit(mode, apply, (gm, *tensors), out)

@@ -1,4 +1,4 @@
-"""hop's import graph has no cycle, lazy imports included (tools/check_layers.py)."""
+"""hop's import graph has no cycle and no upward import, lazy imports included (tools/check_layers.py)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,20 @@ def test_a_cycle_is_found_with_its_members() -> None:
     edges = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert check_layers.cycles(edges) == [["a", "b", "c"]]
     assert check_layers.cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_no_core_module_imports_a_layer_above() -> None:
+    edges = check_layers.graph()
+    assert check_layers.is_core("hop._dispatch") and check_layers.is_core("hop._observe")
+    assert not check_layers.is_core("hop.debug") and not check_layers.is_core("hop.ops._looping")
+    assert check_layers.upward(edges) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    edges = {
+        "hop._dispatch": {"hop.debug": 3, "hop._records": 4},
+        "hop._observe": {"hop.ops._looping": 7},
+        "hop.debug": {"hop._records": 1},  # hop.debug is above the core: it may import it
+        "hop.ops.cond": {"hop.compile.inductor": 9},  # not a core module: cycles are checked apart
+    }
+    assert check_layers.upward(edges) == [("hop._dispatch", 3, "hop.debug"), ("hop._observe", 7, "hop.ops._looping")]

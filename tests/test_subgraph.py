@@ -1,4 +1,4 @@
-"""hop._subgraph on its own: pytrees, output checks, tracing, effects."""
+"""hop.subgraph on its own: pytrees, output checks, tracing, effects."""
 
 from __future__ import annotations
 
@@ -7,23 +7,24 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hop import _subgraph
+import hop
+from hop import subgraph
 from hop.errors import HopTypeError, OutputMismatchError
 
 
 def test_flatten_roundtrip_and_paths() -> None:
     tree = (torch.zeros(1), {"h": torch.ones(2), "c": [torch.ones(3), 4]})
-    leaves, spec = _subgraph.flatten(tree)
+    leaves, spec = subgraph.flatten(tree)
     assert len(leaves) == 4
-    rebuilt = _subgraph.unflatten(leaves, spec)
+    rebuilt = subgraph.unflatten(leaves, spec)
     assert rebuilt[1]["c"][1] == 4
-    assert _subgraph.leaf_paths(tree) == ["output[0]", 'output[1]["h"]', 'output[1]["c"][0]', 'output[1]["c"][1]']
-    assert _subgraph.leaf_paths([1, 2], root="carry") == ["carry[0]", "carry[1]"]
+    assert subgraph.leaf_paths(tree) == ["output[0]", 'output[1]["h"]', 'output[1]["c"][0]', 'output[1]["c"][1]']
+    assert subgraph.leaf_paths([1, 2], root="carry") == ["carry[0]", "carry[1]"]
 
 
 def test_describe() -> None:
-    assert _subgraph.describe(torch.zeros(2, 3)) == "Tensor(2x3, float32, cpu)"
-    assert _subgraph.describe(3) == "int(3)"
+    assert subgraph.describe(torch.zeros(2, 3)) == "Tensor(2x3, float32, cpu)"
+    assert subgraph.describe(3) == "int(3)"
 
 
 def outputs(*trees: object) -> list[object]:
@@ -31,7 +32,7 @@ def outputs(*trees: object) -> list[object]:
 
 
 def test_same_outputs_pass_with_different_sizes() -> None:
-    _subgraph.check_same_outputs("cond", ("true_fn", "false_fn"), outputs(torch.zeros(2), torch.zeros(5)))
+    subgraph.check_same_outputs("cond", ("true_fn", "false_fn"), outputs(torch.zeros(2), torch.zeros(5)))
 
 
 @pytest.mark.parametrize(
@@ -68,18 +69,18 @@ def test_same_outputs_pass_with_different_sizes() -> None:
 )
 def test_mismatch_messages_name_the_path_and_the_difference(a: object, b: object, message: str) -> None:
     with pytest.raises(OutputMismatchError) as info:
-        _subgraph.check_same_outputs("cond", ("true_fn", "false_fn"), outputs(a, b))
+        subgraph.check_same_outputs("cond", ("true_fn", "false_fn"), outputs(a, b))
     assert str(info.value).startswith(message)
     assert isinstance(info.value, HopTypeError) and isinstance(info.value, TypeError)
     assert info.value.op == "cond" and info.value.role == "false_fn"
 
 
 def test_rank_check_can_be_relaxed() -> None:
-    _subgraph.check_same_outputs("x", ("a", "b"), outputs(torch.zeros(1), torch.zeros(1, 1)), check_rank=False)
+    subgraph.check_same_outputs("x", ("a", "b"), outputs(torch.zeros(1), torch.zeros(1, 1)), check_rank=False)
 
 
 def test_trace_subgraph_outside_make_fx_uses_fake_tensors() -> None:
-    gm = _subgraph.trace_subgraph(lambda a: a.sin() + 1, (torch.randn(3),))
+    gm = subgraph.trace_subgraph(lambda a: a.sin() + 1, (torch.randn(3),))
     assert isinstance(gm, torch.fx.GraphModule)
     torch.testing.assert_close(gm(torch.zeros(3)), torch.ones(3))
 
@@ -87,7 +88,7 @@ def test_trace_subgraph_outside_make_fx_uses_fake_tensors() -> None:
 def test_trace_subgraph_under_an_existing_fake_mode() -> None:
     with FakeTensorMode() as mode:
         x = torch.randn(3)
-    gm = _subgraph.trace_subgraph(lambda a: a * 2, (x,))
+    gm = subgraph.trace_subgraph(lambda a: a * 2, (x,))
     assert mode is not None
     torch.testing.assert_close(gm(torch.ones(3)), torch.full((3,), 2.0))
 
@@ -96,7 +97,7 @@ def test_trace_subgraph_reenters_the_active_tracer() -> None:
     graphs: list[torch.fx.GraphModule] = []
 
     def outer(a: torch.Tensor) -> torch.Tensor:
-        graphs.append(_subgraph.trace_subgraph(lambda b: b.new_ones(b.shape[0] + 1), (a,)))
+        graphs.append(subgraph.trace_subgraph(lambda b: b.new_ones(b.shape[0] + 1), (a,)))
         return a + 1
 
     make_fx(outer, tracing_mode="symbolic")(torch.randn(4))
@@ -104,8 +105,8 @@ def test_trace_subgraph_reenters_the_active_tracer() -> None:
     assert gm(torch.randn(6)).shape == (7,)  # symbolic size, traced in the parent's ShapeEnv
 
 
-def effects(fn: object, *args: torch.Tensor) -> _subgraph.Effects:
-    return _subgraph.find_mutations_and_aliases(make_fx(fn, tracing_mode="fake")(*args))  # type: ignore[arg-type]
+def effects(fn: object, *args: torch.Tensor) -> subgraph.Effects:
+    return subgraph.find_mutations_and_aliases(make_fx(fn, tracing_mode="fake")(*args))  # type: ignore[arg-type]
 
 
 def test_effects_detect_in_place_writes() -> None:
@@ -131,16 +132,16 @@ def test_effects_detect_aliasing_outputs() -> None:
 
 
 def test_effects_of_a_pure_function() -> None:
-    assert effects(lambda a: a.sin(), torch.randn(2)) == _subgraph.Effects((), ())
+    assert effects(lambda a: a.sin(), torch.randn(2)) == subgraph.Effects((), ())
 
 
 def test_clone_aliases() -> None:
     x = torch.randn(3)
-    out = _subgraph.clone_aliases([x, x[:2], x.sin()], [x])
+    out = subgraph.clone_aliases([x, x[:2], x.sin()], [x])
     assert out[0] is not x and out[1]._base is None
     torch.testing.assert_close(out[0], x)
     y = torch.randn(2)
-    same = _subgraph.clone_aliases([y, y], [])
+    same = subgraph.clone_aliases([y, y], [])
     assert same[0] is y and same[1] is not y  # an output aliasing an earlier output is cloned too
 
 
@@ -150,7 +151,7 @@ def test_a_constant_a_branch_builds_becomes_a_pure_lifted_input(mode: str) -> No
     lifted: list[object] = []
 
     def outer(a: torch.Tensor) -> torch.Tensor:
-        (gm,), values = _subgraph.trace_branches([lambda b: b + torch.tensor([1.0, 2.0])], (a,))
+        (gm,), values = subgraph.trace_branches([lambda b: b + torch.tensor([1.0, 2.0])], (a,))
         graphs.append(gm)
         lifted.extend(values)
         return a + 1
@@ -161,17 +162,29 @@ def test_a_constant_a_branch_builds_becomes_a_pure_lifted_input(mode: str) -> No
     assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
     assert not [name for name, _ in gm.named_buffers()] and not hasattr(gm, "_tensor_constant0")  # ... not an attribute
     # torch.tensor records lift_fresh_copy then detach_ on the copy: not a write to the input
-    assert _subgraph.find_mutations_and_aliases(gm) == _subgraph.Effects((), ())
+    assert subgraph.find_mutations_and_aliases(gm) == subgraph.Effects((), ())
     torch.testing.assert_close(gm(torch.ones(2), torch.tensor([1.0, 2.0])), torch.tensor([2.0, 3.0]))
 
 
 def test_trace_example_copies_real_values_and_not_fake_ones() -> None:
     x = torch.arange(6.0).reshape(2, 3).t()  # not contiguous
-    copy = _subgraph.trace_example(x)
+    copy = subgraph.trace_example(x)
     assert copy is not x and copy.is_contiguous() and torch.equal(copy, x)
     assert copy.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(x)
-        empty = _subgraph.trace_example(fake)
+        empty = subgraph.trace_example(fake)
     assert empty is not fake and empty.shape == fake.shape and empty.is_contiguous()
-    assert _subgraph.trace_example(3) == 3
+    assert subgraph.trace_example(3) == 3
+
+
+def test_the_public_module_names_every_helper_where_it_lives() -> None:
+    from hop import _closures, _effects, _lifting, _output_checks, _pytree, _tracing
+
+    homes = (_closures, _effects, _lifting, _output_checks, _pytree, _tracing)
+    for name in subgraph.__all__:
+        assert any(getattr(m, name, None) is getattr(subgraph, name) for m in homes), name
+    # outside __all__, but reachable as when the helpers were one module
+    for name in ("with_closure_as_inputs", "convert_closures", "is_inert", "may_alias", "flatten_dropping_none"):
+        assert callable(getattr(subgraph, name))
+    assert hop.subgraph is subgraph

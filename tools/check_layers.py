@@ -1,12 +1,20 @@
-"""Check hop's import graph for cycles (docs/design.md, "Imports go one way").
+"""Check hop's import graph for cycles and upward imports (docs/design.md, "Imports go one way").
 
 Every ``import`` of a hop module counts, at module level or inside a function (a
 lazy import is still a dependency). A package's import of its own ``__init__`` is
 not an edge (every module of hop does it), and neither are imports of non-hop
 modules.
 
+An upward import is one from a core module (a module directly in ``hop/``: the
+operator class, the dispatcher, pytrees, tracing, validation, observation, ...) into
+a layer above it: ``hop.ops``, ``hop.compile``, ``hop.passes``, ``hop.testing`` or
+``hop.debug`` (the public observation API; the record type it shows lives below, in
+``hop._records``). The package ``hop`` itself, ``hop.__main__``, ``hop._demo`` and
+``hop.debug`` sit on top and are not core.
+
 Usage: ``python tools/check_layers.py`` (exit 1, printing each cycle with the line
-of every import in it), or ``--graph`` to print every edge. CI runs it.
+of every import in it, and each upward import), or ``--graph`` to print every edge.
+CI runs it.
 """
 
 from __future__ import annotations
@@ -61,6 +69,31 @@ def graph() -> dict[str, dict[str, int]]:
     return edges
 
 
+# Modules directly in hop/ that sit on top of the stack rather than in its core.
+NOT_CORE = frozenset({"hop", "hop.__main__", "hop._demo", "hop.debug"})
+# The layers above the core.
+UPPER = ("hop.ops", "hop.compile", "hop.passes", "hop.testing", "hop.debug")
+
+
+def is_core(name: str) -> bool:
+    return name.count(".") == 1 and name not in NOT_CORE and not is_upper(name)
+
+
+def is_upper(name: str) -> bool:
+    return any(name == layer or name.startswith(layer + ".") for layer in UPPER)
+
+
+def upward(edges: dict[str, dict[str, int]]) -> list[tuple[str, int, str]]:
+    """Each import of a layer above the core by a core module: (module, line, imported)."""
+    return sorted(
+        (name, line, dep)
+        for name, deps in edges.items()
+        if is_core(name)
+        for dep, line in deps.items()
+        if is_upper(dep)
+    )
+
+
 def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan's algorithm)."""
     index: dict[str, int] = {}
@@ -112,7 +145,10 @@ def main(argv: list[str]) -> int:
             for dep, line in sorted(edges[name].items()):
                 if dep in members:
                     print(f"  {name}:{line} -> {dep}")
-    return 1 if found else 0
+    up = upward(edges)
+    for name, line, dep in up:
+        print(f"upward import: {name}:{line} -> {dep}")
+    return 1 if found or up else 0
 
 
 if __name__ == "__main__":

@@ -17,25 +17,27 @@ import torch.utils._pytree as pytree
 from torch._dynamo.variables import ConstantVariable
 from torch._dynamo.variables.lists import BaseListVariable
 
-from hop import _subgraph
+from hop import _output_checks
 from hop.compile._dynamo_capture import (
-    VT,
     HopVariable,
     bare_single_output,
-    callable_stand_in,
     check_spec_order,
     drop_constant_inputs,
     emit,
+    install,
+    output_items,
+    share_lifted,
+    speculate,
+)
+from hop.compile._dynamo_values import (
+    VT,
+    callable_stand_in,
     example,
     example_tree,
     flatten,
-    install,
     items,
     method,
-    output_items,
-    share_lifted,
     shown,
-    speculate,
     unflatten,
 )
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
@@ -61,7 +63,7 @@ class _BranchingVariable(HopVariable):
             speculate(tx, self.value, role, fn, items(tx, operands)) for role, fn in zip(roles, branches, strict=True)
         ]
         outs = [pytree.tree_unflatten([example(o) for o in s.outputs], s.out_spec()) for s in subs]
-        _subgraph.check_same_outputs(name, roles, outs, fns=fns)
+        _output_checks.check_same_outputs(name, roles, outs, fns=fns)
         check_spec_order(name, [s.out_spec() for s in subs], "branches returning")
         n = len(subs[0].outputs)
         lone_int = n == 1 and not subs[0].outputs[0].is_tensor()

@@ -1,4 +1,4 @@
-"""The pieces hop's Dynamo handlers share (see :mod:`hop.compile.dynamo`).
+"""How hop's Dynamo handlers capture a callable, and the handler base (see :mod:`hop.compile.dynamo`).
 
 A handler works on Dynamo's ``VariableTracker``s. To check a call it reads their
 example values (fake tensors, SymInts, constants) and hands them to hop's own
@@ -7,7 +7,9 @@ callable it runs Dynamo's ``speculate_subgraph``, which traces the callable into
 a subgraph and lifts what it closes over (module parameters and buffers, other
 tensors, sizes) to extra inputs. The node's output metadata comes from hop's own
 fake rule (the node is run on fake tensors), so unified unbacked sizes, growing
-carries and cloned aliases are hop's.
+carries and cloned aliases are hop's. What a handler reads of Dynamo's values is in
+``hop.compile._dynamo_values``, how hop's errors become graph breaks in
+``hop.compile._dynamo_errors``.
 
 Everything here imports torch._dynamo: it is loaded only once Dynamo is.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
@@ -25,12 +26,11 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._dynamo.exc import Unsupported
-from torch._dynamo.utils import _make_inlined, get_fake_value
-from torch._dynamo.variables import ConstantVariable, TupleVariable, VariableTracker
-from torch._dynamo.variables.builder import SourcelessBuilder, wrap_fx_proxy
+from torch._dynamo.utils import get_fake_value
+from torch._dynamo.variables import ConstantVariable, TupleVariable
+from torch._dynamo.variables.builder import wrap_fx_proxy
 from torch._dynamo.variables.higher_order_ops import (
     TorchHigherOrderOperatorVariable,
-    discard_graph_changes,
     make_attr,
     speculate_subgraph,
 )
@@ -38,87 +38,26 @@ from torch._dynamo.variables.lazy import LazyVariableTracker
 from torch._dynamo.variables.lists import BaseListVariable
 from torch._dynamo.variables.tensor import SymNodeVariable
 
-from hop import _observe, _subgraph
+from hop import _effects, _observe
 from hop._transforms import DYNAMO_CALL
-from hop.compile._torch_api import fake_propagation_errors
-from hop.errors import CompileUnsupported, HopError, format_message
+from hop.compile._dynamo_errors import hop_errors_break_graph, unsupported
+from hop.compile._dynamo_values import VT, constant, example, items
+from hop.errors import HopError
 
 __all__ = [
-    "VT",
     "HopVariable",
     "Subgraph",
     "UnhandledVariable",
-    "as_graph_break",
     "bare_single_output",
-    "callable_stand_in",
     "check_spec_order",
     "compiles_with_inductor",
-    "constant",
     "drop_constant_inputs",
     "emit",
-    "example",
-    "example_tree",
-    "drop_none_outputs",
-    "flatten",
-    "fresh",
-    "fresh_input",
-    "hop_errors_break_graph",
     "install",
-    "items",
-    "method",
     "output_items",
-    "proxies",
     "share_lifted",
-    "shown",
     "speculate",
-    "unbound_dims",
-    "unflatten",
-    "unsupported",
-    "with_none",
-    "without_none",
 ]
-
-VT = VariableTracker
-
-
-# --- errors ------------------------------------------------------------------------------
-
-
-_BREAKING: dict[type[HopError], type[Exception]] = {}
-
-
-def _breaking(cls: type[HopError]) -> type[Exception]:
-    """``cls`` that is also Dynamo's ``Unsupported``: a graph break without fullgraph,
-    and, with it, the HopError the user catches."""
-    if cls not in _BREAKING:
-
-        def init(self: Any, error: HopError) -> None:
-            Unsupported.__init__(self, str(error), gb_type=f"hop: {cls.__name__}")
-            self.op, self.role, self.path = error.op, error.role, error.path
-
-        _BREAKING[cls] = type(cls.__name__, (cls, Unsupported), {"__init__": init, "__module__": cls.__module__})
-    return _BREAKING[cls]
-
-
-def as_graph_break(error: HopError) -> Exception:
-    """``error`` as a graph break that is still an instance of its own class."""
-    if _observe.SINKS or _observe.structured_on():
-        from hop._observe_traced import graph_break
-
-        graph_break(error)
-    if isinstance(error, Unsupported):
-        return error
-    breaking = _breaking(type(error))(error)
-    breaking.__cause__ = error.__cause__
-    return breaking
-
-
-def unsupported(op: str, feature: str, fix: str) -> Exception:
-    """:class:`CompileUnsupported` for a feature of ``op`` that runs eagerly but cannot be captured."""
-    error = CompileUnsupported(
-        format_message(op, f"{feature} runs in eager but torch.compile cannot capture it", fix=fix), op=op
-    )
-    return as_graph_break(error)
 
 
 def compiles_with_inductor(tx: Any) -> bool:
@@ -132,191 +71,6 @@ def compiles_with_inductor(tx: Any) -> bool:
         if fn is None:
             return False
     return False
-
-
-def _hop_cause(error: BaseException) -> HopError | None:
-    """The HopError that ``error`` wraps (Dynamo wraps what fails in fake propagation)."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, HopError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-_CAUGHT: tuple[type[BaseException], ...] = (Unsupported, *fake_propagation_errors())
-
-
-@contextmanager
-def hop_errors_break_graph() -> Iterator[None]:
-    """A HopError raised inside (by hop's checks, or by its fake rule during fake
-    propagation) leaves as a graph break that is still that HopError."""
-    try:
-        yield
-    except _CAUGHT as e:  # fake propagation wraps what fails in all but the first
-        cause = _hop_cause(e)
-        if cause is None or isinstance(e, HopError):
-            raise
-        raise as_graph_break(cause) from None
-    except HopError as e:
-        raise as_graph_break(e) from None
-
-
-# --- values ------------------------------------------------------------------------------
-
-
-def constant(value: Any) -> VT:
-    made: VT = ConstantVariable.create(value)
-    return made
-
-
-def items(tx: Any, vt: VT) -> list[VT]:
-    """The elements of a tuple or list variable."""
-    return list(vt.unpack_var_sequence(tx))
-
-
-def flatten(tx: Any, tree: VT) -> tuple[list[VT], VT]:
-    """Leaves and structure of a pytree of variables (torch.utils._pytree's order)."""
-    leaves, spec = items(tx, _make_inlined(tx, pytree.tree_flatten)(tree))
-    return items(tx, leaves), spec
-
-
-def unflatten(tx: Any, leaves: Sequence[VT], spec: VT | pytree.TreeSpec) -> VT:
-    spec_vt = spec if isinstance(spec, VT) else SourcelessBuilder.create(tx, spec)
-    return _make_inlined(tx, pytree.tree_unflatten)(SourcelessBuilder.create(tx, list(leaves)), spec_vt)
-
-
-def is_none(vt: VT) -> bool:
-    return isinstance(vt, ConstantVariable) and vt.value is None
-
-
-def without_none(leaves: Sequence[VT]) -> list[VT]:
-    """``leaves`` less the ``None``s: Dynamo's pytree keeps ``None`` as a leaf, where hop's
-    looping operators (and their checks) treat it as an empty subtree."""
-    return [leaf for leaf in leaves if not is_none(leaf)]
-
-
-def with_none(kept: Sequence[VT], like: Sequence[VT]) -> list[VT]:
-    """``kept`` with a ``None`` put back wherever ``like`` has one (undoes :func:`without_none`)."""
-    rest = iter(kept)
-    out = [constant(None) if is_none(leaf) else next(rest) for leaf in like]
-    if next(rest, None) is not None:
-        raise AssertionError("more values than non-None leaves")
-    return out
-
-
-def drop_none_outputs(graph: torch.fx.Graph) -> None:
-    """Remove the ``None``s a subgraph returns: hop's looping raw ops take only tensor and
-    int outputs, and the handler puts the ``None``s back around the node's outputs."""
-    out = next(n for n in graph.nodes if n.op == "output")
-    (values,) = out.args
-    if isinstance(values, (tuple, list)):
-        out.args = (tuple(v for v in values if v is not None),)
-
-
-def example(vt: VT) -> Any:
-    """The value a leaf variable stands for: a fake tensor, a SymInt, a constant, or the object."""
-    vt = vt.realize()
-    if vt.is_tensor():
-        return vt.as_proxy().node.meta["example_value"]
-    if isinstance(vt, SymNodeVariable):
-        return vt.sym_num
-    if vt.is_python_constant():
-        try:
-            return vt.as_python_constant()
-        except NotImplementedError:
-            pass
-    for attr in ("value", "fn"):
-        if hasattr(vt, attr):
-            return getattr(vt, attr)
-    return vt
-
-
-def shown(vt: VT) -> Any:
-    """What a message saying ``got <type>`` names: a tensor is a ``Tensor`` (its example is
-    a ``FakeTensor``)."""
-    return torch.empty(0, device="meta") if vt.realize().is_tensor() else example(vt)
-
-
-def example_tree(tx: Any, tree: VT) -> Any:
-    """``tree`` with every leaf replaced by :func:`example`, for hop's eager checks."""
-    leaves, spec = flatten(tx, tree)
-    return pytree.tree_unflatten([example(leaf) for leaf in leaves], spec.as_python_constant())
-
-
-def callable_stand_in(tx: Any, vt: VT) -> Any:
-    """What hop's checks see for a function argument: the user's function (or a function
-    with its code, so messages name it), or the value itself when it is not callable."""
-    from torch._dynamo.variables.builtin import BuiltinVariable
-
-    vt = vt.realize()
-    if not BuiltinVariable(callable).call_function(tx, [vt], {}).as_python_constant():
-        return example(vt)
-    for attr in ("fn", "value"):
-        obj = getattr(vt, attr, None)
-        if callable(obj):
-            return obj
-    if hasattr(vt, "get_code"):  # a function made inside the compiled code
-        code = vt.get_code()
-        cells = tuple(types.CellType() for _ in code.co_freevars)
-        return types.FunctionType(code, {}, code.co_name, None, cells)
-    return _Traced()
-
-
-class _Traced:
-    """A callable Dynamo traces but whose Python object it does not have (a partial, ...)."""
-
-    __qualname__ = "<callable traced by torch.compile>"
-
-    def __call__(self, *args: Any) -> Any:
-        raise AssertionError("a stand-in is never called")
-
-
-def method(tx: Any, vt: VT, name: str, *args: Any) -> VT:
-    """``vt.name(*args)`` recorded in the current graph (``args`` constants or variables)."""
-    return vt.call_method(tx, name, [a if isinstance(a, VT) else constant(a) for a in args], {})
-
-
-def fresh_input(tx: Any, value: Any) -> VT:
-    """A variable whose example value is ``value`` (a fake tensor or SymInt), to trace a
-    callable with: only its metadata is read, its graph input is discarded."""
-    with discard_graph_changes(tx):
-        tracer = tx.output.current_tracer
-        for size in [value.shape[d] for d in unbound_dims(value)]:  # else Dynamo looks for them in the parent
-            if size.node.expr not in tracer.bound_symbols:
-                tracer.create_graph_input(str(size.node.expr), torch.SymInt, size)
-        proxy = tracer.create_graph_input("hop_example", type(value), value)
-        if isinstance(value, torch.SymInt):
-            return SymNodeVariable.create(tx, proxy, value)
-        return wrap_fx_proxy(tx, proxy, example_value=value)
-
-
-def unbound_dims(value: Any) -> list[int]:
-    """The dimensions of tensor ``value`` whose sizes are unbacked symbols of their own (a
-    loop's generalized carry): no graph binds them, so a subgraph taking ``value`` must."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    if not isinstance(value, torch.Tensor):
-        return []
-    return [
-        d
-        for d, s in enumerate(value.shape)
-        if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol and free_unbacked_symbols(s)
-    ]
-
-
-def fresh(tx: Any, values: Sequence[Any]) -> list[VT]:
-    """Variables standing for fresh copies of ``values`` (fake tensors, SymInts)."""
-    with tx.fake_mode:
-        copies = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
-    return [fresh_input(tx, v) for v in copies]
-
-
-def proxies(values: Sequence[VT]) -> list[Any]:
-    return [v.as_proxy() for v in values]
-
-
-# --- subgraphs ----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -415,7 +169,7 @@ def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgra
             f"{role} writing one of its inputs in place",
             fix=f"Return the new value from {role} instead of writing the input.",
         )
-    effect = _subgraph.untokened_effect(graph)
+    effect = _effects.untokened_effect(graph)
     if effect is not None:
         raise unsupported(
             name,
@@ -564,9 +318,6 @@ def _same_dict_order(a: pytree.TreeSpec, b: pytree.TreeSpec) -> bool:
     if a.type is dict and b.type is dict and a.context != b.context:
         return False
     return all(_same_dict_order(x, y) for x, y in zip(a.children(), b.children(), strict=True))
-
-
-# --- the handler base ---------------------------------------------------------------------
 
 
 class HopVariable(TorchHigherOrderOperatorVariable):

@@ -19,36 +19,37 @@ from torch._dynamo.variables import TupleVariable
 from torch._dynamo.variables.builder import SourcelessBuilder
 from torch._dynamo.variables.lists import BaseListVariable
 
-from hop import _subgraph
+from hop import _output_checks
 from hop._unbacked import _changes, _generalize, _placeholder, trial_run
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._dynamo_capture import (
-    VT,
     HopVariable,
     Subgraph,
-    as_graph_break,
     bare_single_output,
-    callable_stand_in,
     check_spec_order,
     compiles_with_inductor,
-    constant,
     emit,
+    install,
+    output_items,
+    share_lifted,
+    speculate,
+)
+from hop.compile._dynamo_errors import as_graph_break, unsupported
+from hop.compile._dynamo_values import (
+    VT,
+    callable_stand_in,
+    constant,
     example,
     example_tree,
     flatten,
     fresh,
     fresh_input,
-    install,
     items,
     method,
-    output_items,
     proxies,
-    share_lifted,
     shown,
-    speculate,
     unbound_dims,
     unflatten,
-    unsupported,
 )
 from hop.errors import HopTypeError, format_message, type_name
 from hop.ops import _checkpoint
@@ -102,7 +103,7 @@ class WhileLoopVariable(HopVariable):
 
         def check(carry: Any, out: Any) -> None:
             out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-            _subgraph.check_same_outputs(
+            _output_checks.check_same_outputs(
                 "while_loop", ("carried_inputs", "body_fn"), (tuple(carry), out), root="carry", fns=(None, fns[1])
             )
 
@@ -133,7 +134,7 @@ class WhileLoopVariable(HopVariable):
             lower = method(tx, method(tx, upper, "new_zeros", ()), "__add__", lower)
 
         def check(carry: Any, out: Any) -> None:
-            _subgraph.check_same_outputs(
+            _output_checks.check_same_outputs(
                 "fori_loop", ("init_val", "body_fn"), (carry[1], out[1]), root="val", fns=(None, fn)
             )
 
@@ -281,7 +282,7 @@ def _fori_body(body_fn: Callable[..., Any], i: Any, val: Any) -> Any:
 
 def _with_leading_sizes(tx: Any, fn: VT, n: int) -> VT:
     """``fn`` preceded by ``n`` ignored arguments: the sizes a subgraph binds first
-    (:func:`hop.compile._dynamo_capture.unbound_dims`), turned into ``sym_size`` reads by :func:`_bind_sizes`."""
+    (:func:`hop.compile._dynamo_values.unbound_dims`), turned into ``sym_size`` reads by :func:`_bind_sizes`."""
     partial = SourcelessBuilder.create(tx, functools.partial)
     return partial.call_function(tx, [SourcelessBuilder.create(tx, _drop_leading), constant(n), fn], {})
 

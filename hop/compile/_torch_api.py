@@ -92,7 +92,7 @@ PRIVATE: tuple[Private, ...] = (
         "torch._higher_order_ops.BaseHOP",
     ),
     *_listed(
-        "hop.compile._dynamo_capture and the handler modules",
+        "hop.compile._dynamo_capture, _dynamo_values, _dynamo_errors and the handler modules",
         "torch._dynamo.exc.TorchRuntimeError",
         "torch._dynamo.exc.Unsupported",
         "torch._dynamo.utils._make_inlined",
@@ -117,7 +117,7 @@ PRIVATE: tuple[Private, ...] = (
         "torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode",
     ),
     *_listed(
-        "hop.compile._dynamo_capture (fake propagation errors, see fake_propagation_errors)",
+        "hop.compile._dynamo_errors (fake propagation errors, see fake_propagation_errors)",
         "torch._dynamo.exc.FakeTensorObservedException",
         since=(2, 14),
     ),

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hop import _observe, _subgraph, _transforms, config
+from hop import _observe, _transforms, config
 from hop import _validation as validation
+from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
 from hop._unbacked import Unifier, assert_ranges, dense_order, recording
 from hop.errors import (
@@ -615,7 +616,7 @@ class _BranchFunction(torch.autograd.Function):
 
 def _as_node(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any], level: int | None = None) -> Any:
     """One autograd node; tensors the branches read from their closures and that need
-    grad become inputs too (Note [closure conversion] in hop._subgraph)."""
+    grad become inputs too (Note [closure conversion] in hop._closures)."""
     branches, captured = _subgraph.convert_closures(branches, operands, level)
     operands = (*operands, *captured)
     return _BranchFunction.apply(b, sel, tuple(branches), *operands)  # type: ignore[no-untyped-call]

@@ -9,7 +9,7 @@ the at most k iterations of a segment from its checkpoint with autograd on and
 backpropagates through them. Peak memory: k + 1 checkpoints plus one segment's
 intermediates, about 2 sqrt(2n) carries (65 for n = 1024), instead of n; the
 price is one more forward pass. Gradients reach the initial carries and the
-tensors the functions close over (found by ``_subgraph.closure_tensors``).
+tensors the functions close over (found by ``_closures.closure_tensors``).
 
 The backward pass is first-order only: the replayed segments are differentiated
 with ``torch.autograd.grad`` and their graphs freed. Under ``create_graph=True`` the

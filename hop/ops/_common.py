@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
-from hop import _subgraph, _transforms
+from hop import _effects, _output_checks, _transforms
 from hop.errors import CompileUnsupported, MutationError, format_message
 
 __all__ = [
@@ -140,12 +140,12 @@ def check_effects(
     """Refuse a traced callable that writes one of its inputs in place (``what``:
     how the family calls that input; ``updates``: what such writes update), and make
     outputs that alias an input fresh tensors, as eager's outputs are."""
-    effects = _subgraph.find_mutations_and_aliases(gm)
+    effects = _effects.find_mutations_and_aliases(gm)
     if effects.mutated:
         raise MutationError(
             format_message(
                 op,
-                f"{role} ({_subgraph.describe_fn(fn)}) writes {what} {effects.mutated[0]} in place; in-place "
+                f"{role} ({_output_checks.describe_fn(fn)}) writes {what} {effects.mutated[0]} in place; in-place "
                 f"updates of {updates} run in eager but cannot be traced (make_fx, torch.export)",
                 fix=fix,
             ),
@@ -153,4 +153,4 @@ def check_effects(
             role=role,
         )
     if effects.aliased:
-        _subgraph.clone_aliased_outputs(gm, effects)
+        _effects.clone_aliased_outputs(gm, effects)

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hop import _observe, _reference, _subgraph, config
+from hop import _closures, _observe, _reference, config
 from hop import _validation as validation
 from hop._transforms import functorch_level, mode_stack_len, tf_mode_enabled
 from hop.ops._zero_grads import reads_nothing
@@ -97,7 +97,7 @@ def _item(fn: Fn) -> Any:
     an entry would keep alive with its tensor) itself; None: never cached."""
     if type(fn) is _Function:
         return fn.__code__ if fn.__closure__ is None else None
-    return fn if type(fn) is _Builtin and _subgraph.is_inert(fn) else None
+    return fn if type(fn) is _Builtin and _closures.is_inert(fn) else None
 
 
 def remember(name: str, fns: Sequence[Fn], x: torch.Tensor, verdict: Any, kinds: set[Any]) -> None:
@@ -117,7 +117,7 @@ def remember(name: str, fns: Sequence[Fn], x: torch.Tensor, verdict: Any, kinds:
         x.get_device(),
         kinds,
         _usual(kinds, (x.dtype, x.ndim, x.get_device())),
-        tuple(_subgraph.globals_read(fn.__code__) if type(fn) is _Function else None for fn in fns),
+        tuple(_closures.globals_read(fn.__code__) if type(fn) is _Function else None for fn in fns),
         verdict,
     )
 
@@ -235,7 +235,7 @@ def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., 
         reference=vars(_reference),
         sinks=_observe.SINKS,
         index_dtypes=_INDEX_DTYPES,
-        inert_types=_subgraph.INERT_TYPES,
+        inert_types=_closures.INERT_TYPES,
         cond_cache=_CACHES["cond"],
         switch_cache=_CACHES["switch"],
         mode_stack_len=mode_stack_len,

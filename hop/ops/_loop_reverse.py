@@ -9,7 +9,7 @@ forward node also counts the trips (one more carry, an int64 tensor). From n:
   stacks the carry before every step (an O(n) buffer whose length is the
   unbacked n), then a reverse scan pulls the cotangent through each step with
   ``torch.func.vjp`` and sums the additional inputs' gradients in its carry.
-  That is scan's own backward (``_looping.scan_vjp``) applied to the loop seen
+  That is scan's own backward (``_scan_derivatives.scan_vjp``) applied to the loop seen
   as a scan of n steps: 2n body runs after the forward's n (one in each vjp),
   n carries in memory.
 - ``segments`` (``checkpoint=True``): segments of s = ceil(sqrt(n)) steps. A scan
@@ -44,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from hop import _transforms
 from hop._operator import HigherOrderOperator
 from hop.errors import HopRuntimeError, format_message
-from hop.ops import _looping
+from hop.ops import _scan_derivatives
 from hop.ops._branching import as_tuple
 from hop.ops._common import differentiable
 from hop.ops.scan import scan_op
@@ -222,7 +222,7 @@ def _stacked(step: Fn, carried: list[Any], extra: list[Any], n: Any, g_carry: li
     ``arange(n)``, differentiated by scan's own backward (Note [reverse mode of a traced loop])."""
     steps = torch.arange(n, device=_device(carried))
     out_diff = [g is not None for g in g_carry]
-    g = _looping.scan_vjp(
+    g = _scan_derivatives.scan_vjp(
         scan_op, step, carried, [steps], extra, False, g_carry, out_diff, named=("while_loop", "body_fn")
     )
     nc = len(carried)
@@ -291,7 +291,7 @@ def _segment_vjp(step: Fn, nc: int, d_c: list[int], d_e: list[int]) -> Fn:
         steps = torch.arange(_size(length), device=k.device) + start
         g_full = _transforms.place([None] * nc, d_c, g)
         out_diff = [x is not None for x in g_full]
-        pulled = _looping.scan_vjp(
+        pulled = _scan_derivatives.scan_vjp(
             scan_op, step, start_carry, [steps], extra, False, g_full, out_diff, named=("while_loop", "body_fn")
         )
         g_extra = pulled[nc + 1 :]

@@ -11,7 +11,7 @@ branch a gradient, zeros where the taken branch did not use it; hop does too.
 
 After the chosen branch ran with grad enabled, its differentiable outputs pass
 through one :class:`_ZeroGrads` node whose other inputs are every operand and
-every tensor the branches close over (``hop._subgraph.closure_tensors``: cells,
+every tensor the branches close over (``hop._closures.closure_tensors``: cells,
 bound ``self``, globals, defaults, partials) that requires grad and that the
 taken branch's autograd graph does not reach (a walk of a few nodes: an operand
 the branch used gets its gradient from it, so the commonest call adds no node). Its backward
@@ -33,7 +33,7 @@ Under ``torch.jit.trace`` no node is added (it would be recorded as a Python op)
 The closure search is static: every parameter of a module a branch closes over
 (e.g. ``self``) gets a zero, even one neither branch uses. It follows cells,
 defaults, bound owners (``self``, the tensor of ``w.mul``), partials, containers
-and objects' attributes, and every global that is not inert (``_subgraph.is_inert``:
+and objects' attributes, and every global that is not inert (``_closures.is_inert``:
 numbers, strings, Python modules, classes); a parameter kept as an attribute of
 a Python module or of a class is not found. A traced call (a
 selector that cannot be read) needs none of this: its node's backward is the vjp
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch._C._functorch import TransformType
 
-from hop import _subgraph
+from hop import _closures, _pytree
 from hop.ops._common import differentiable
 
 __all__ = ["close_over_nothing", "reads_nothing", "zero_untaken"]
@@ -65,8 +65,8 @@ _Module = torch.nn.Module
 _DENSE = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 _Builtin = BuiltinFunctionType  # torch.tanh and the like: C functions
-_is_inert = _subgraph.is_inert
-_GLOBALS_READ = _subgraph.GLOBALS_READ
+_is_inert = _closures.is_inert
+_GLOBALS_READ = _closures.GLOBALS_READ
 _tracing_state: Callable[[], Any] = torch._C._get_tracing_state
 _interpreter_stack: Callable[[], Any] = torch._C._functorch.get_interpreter_stack
 _transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
@@ -90,7 +90,7 @@ def zero_untaken(out: Any, branches: Sequence[Callable[..., Any]], operands: Seq
 
 def close_over_nothing(branches: Sequence[Callable[..., Any]]) -> bool:
     """Builtins, and plain functions without closure cells or defaults whose globals
-    are inert (``_subgraph.is_inert``; the commonest case): nothing to search."""
+    are inert (``_closures.is_inert``; the commonest case): nothing to search."""
     for fn in branches:
         if type(fn) is _Function and fn.__closure__ is not None:
             return False
@@ -101,7 +101,7 @@ def close_over_nothing(branches: Sequence[Callable[..., Any]]) -> bool:
 
 def reads_nothing(fn: Callable[..., Any]) -> bool:
     """For a builtin or a function without closure cells: whether it has no defaults
-    and reads no global that could lead to a tensor (``_subgraph.is_inert``: a
+    and reads no global that could lead to a tensor (``_closures.is_inert``: a
     number, a string, a Python module, a class...), so no tensor it reads (but its
     arguments) can require grad. On every eager call with grad enabled."""
     if type(fn) is not _Function:
@@ -111,7 +111,7 @@ def reads_nothing(fn: Callable[..., Any]) -> bool:
     code = fn.__code__
     names = _GLOBALS_READ.get(code)
     if names is None:
-        names = _subgraph.globals_read(code)
+        names = _closures.globals_read(code)
     if names:
         g = fn.__globals__
         for name in names:  # mostly `torch`
@@ -127,10 +127,10 @@ def _attach(out: Any, branches: Sequence[Callable[..., Any]], operands: Sequence
         leaves: list[Any] = [out]
         spec = None
     else:
-        leaves, spec = _subgraph.flatten(out)
+        leaves, spec = _pytree.flatten(out)
         if not any(differentiable(o) for o in leaves):
             return out
-    closure = () if plain else _subgraph.closure_tensors(branches)
+    closure = () if plain else _closures.closure_tensors(branches)
     reads = list({id(x): x for x in (*operands, *closure) if _dense_requiring_grad(x)}.values())
     if reads and not _transforms_active():
         reads = _unreached(leaves, reads)  # the taken branch's graph gives the others a gradient
@@ -141,7 +141,7 @@ def _attach(out: Any, branches: Sequence[Callable[..., Any]], operands: Sequence
     passed = _ZeroGradsBatched.apply(*inputs) if _transforms_active() else _apply(*inputs)  # type: ignore[no-untyped-call]
     for i, o in zip(at, passed, strict=True):
         leaves[i] = o
-    return leaves[0] if spec is None else _subgraph.unflatten(leaves, spec)
+    return leaves[0] if spec is None else _pytree.unflatten(leaves, spec)
 
 
 def _unreached(outputs: Sequence[Any], reads: Sequence[torch.Tensor], budget: int = 32) -> list[torch.Tensor]:

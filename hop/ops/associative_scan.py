@@ -36,11 +36,11 @@ from torch._C._functorch import TransformType, _add_batch_dim
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference, _subgraph, _transforms
+from hop import _closures, _effects, _lifting, _observe, _observe_calls, _pytree, _reference, _tracing, _transforms
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
-from hop.ops import _common
+from hop.ops import _common, _loop_checks, _loop_values, _scan_derivatives
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
 from hop.ops._common import differentiable, save_operands, saved_operands
@@ -89,8 +89,8 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
         return _observe_calls.watch(_NAME, associative_scan, (combine_fn, xs, dim, reverse, combine_mode))
     check_options(combine_fn, reverse, combine_mode)
-    leaves, spec = _subgraph.flatten_dropping_none(xs)
-    dims, n = lp.check_xs(_NAME, xs, leaves, dim)
+    leaves, spec = _pytree.flatten_dropping_none(xs)
+    dims, n = _loop_checks.check_xs(_NAME, xs, leaves, dim)
     moved = [x.movedim(d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
     moved = [x.flip(0) for x in moved] if reverse else moved
     body = _flat_body(combine_fn, spec, xs)
@@ -100,12 +100,12 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
         body, lifted = lp.lift_closures(body, lambda: [*lp.examples((), moved, ()), *lp.examples((), moved, ())])
         out = associative_scan_op(body, tuple(moved), tuple(lifted), combine_mode)
     out = [o.flip(0) for o in as_tuple(out)] if reverse else as_tuple(out)
-    return _subgraph.unflatten([o.movedim(0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
+    return _pytree.unflatten([o.movedim(0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
 
 
 def check_options(combine_fn: Any, reverse: Any, combine_mode: Any) -> None:
     """The arguments besides ``xs`` and ``dim`` (also checked by the Dynamo handler)."""
-    lp.check_callable(_NAME, "combine_fn", combine_fn)
+    _loop_checks.check_callable(_NAME, "combine_fn", combine_fn)
     if combine_mode not in _MODES:
         raise HopValueError(
             format_message(_NAME, f'combine_mode must be "pointwise" or "generic", got {combine_mode!r}'),
@@ -123,9 +123,9 @@ def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
     n = spec.num_leaves
 
     def body(*leaves: Any) -> tuple[Any, ...]:
-        lhs = _subgraph.unflatten(leaves[:n], spec)
-        out = combine_fn(lhs, _subgraph.unflatten(leaves[n : 2 * n], spec))
-        return tuple(lp.check_like(_NAME, "combine_fn", combine_fn, lhs, out, "output", "xs and the output"))
+        lhs = _pytree.unflatten(leaves[:n], spec)
+        out = combine_fn(lhs, _pytree.unflatten(leaves[n : 2 * n], spec))
+        return tuple(_loop_checks.check_like(_NAME, "combine_fn", combine_fn, lhs, out, "output", "xs and the output"))
 
     body.__qualname__ = getattr(combine_fn, "__qualname__", type(combine_fn).__qualname__)
     body.__wrapped__ = combine_fn  # type: ignore[attr-defined]
@@ -168,10 +168,10 @@ def associative_scan_dense(
         combine = torch.vmap(combine_fn, in_dims=(*[0] * (2 * nx), *[None] * len(additional_inputs)))
     n = xs[0].shape[0]
     if type(n) is not int:
-        _common.refuse_legacy_onnx(_NAME, lp.LENGTH)
+        _common.refuse_legacy_onnx(_NAME, _loop_checks.LENGTH)
         n = _common.static_size(n)  # Note [sizes under jit.trace]
     out = _prefix_scan(combine, xs, additional_inputs, n)
-    return lp.pack(lp.no_alias(out, [*xs, *additional_inputs]))
+    return _loop_values.pack(_loop_values.no_alias(out, [*xs, *additional_inputs]))
 
 
 @associative_scan_op.py_autograd_impl
@@ -181,13 +181,13 @@ def associative_scan_autograd(
     """Real tensors: autograd records the algorithm's own ops (Note [parallel prefix]).
     Traced ones: one node, differentiated as the sequential scan it equals; what
     ``combine_fn`` closes over and needs grad for becomes additional inputs of the
-    node (Note [closure conversion] in hop._subgraph: a node differentiates its inputs only)."""
+    node (Note [closure conversion] in hop._closures: a node differentiates its inputs only)."""
     n = xs[0].shape[0]
     if type(n) is int and n == 0:  # an empty scan is its input, under every transform
-        return lp.pack([x.clone() for x in xs])
+        return _loop_values.pack([x.clone() for x in xs])
     if lp.runs_inline(n, xs, additional_inputs):
         return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
-    (combine_fn,), captured = _subgraph.convert_closures([combine_fn], [*xs, *additional_inputs])
+    (combine_fn,), captured = _closures.convert_closures([combine_fn], [*xs, *additional_inputs])
     args = (*xs, *additional_inputs, *captured)
     return _Function.apply(combine_fn, combine_mode, len(xs), *args)  # type: ignore[no-untyped-call]
 
@@ -237,7 +237,7 @@ def associative_scan_vmap(
     batched = torch.vmap(combine_fn, in_dims=in_dims, randomness=interpreter.randomness())
     with interpreter.lower():
         out = as_tuple(associative_scan_op(batched, tuple(xs_b), tuple(add_u), "generic"))
-    return lp.pack([_add_batch_dim(o, 1, level) for o in out])
+    return _loop_values.pack([_add_batch_dim(o, 1, level) for o in out])
 
 
 @associative_scan_op.py_functionalize_impl
@@ -246,7 +246,7 @@ def associative_scan_functionalize(
 ) -> Any:
     xs_u, add_u = ctx.unwrap_tensors(list(xs)), ctx.unwrap_tensors(list(additional_inputs))
     with ctx.redispatch_to_next():
-        combine = _subgraph.functionalize_body(ctx, combine_fn, _NAME, "combine_fn")
+        combine = _effects.functionalize_body(ctx, combine_fn, _NAME, "combine_fn")
         out = associative_scan_op(combine, tuple(xs_u), tuple(add_u), combine_mode)
     return ctx.wrap_tensors(out)
 
@@ -257,10 +257,10 @@ def associative_scan_fake(
 ) -> Any:
     """Outputs shaped like ``xs``, after checking ``combine_fn`` on one pair of fake slices."""
     with mode:
-        slices = lp.empty_slices(xs, [0] * len(xs))
-        out = as_tuple(combine_fn(*slices, *lp.empty_slices(xs, [0] * len(xs)), *additional_inputs))
-        lp.check_like(_NAME, "combine_fn", combine_fn, slices, list(out), "output", "xs and the output")
-        return lp.pack([torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs])
+        slices = _loop_values.empty_slices(xs, [0] * len(xs))
+        out = as_tuple(combine_fn(*slices, *_loop_values.empty_slices(xs, [0] * len(xs)), *additional_inputs))
+        _loop_checks.check_like(_NAME, "combine_fn", combine_fn, slices, list(out), "output", "xs and the output")
+        return _loop_values.pack([torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs])
 
 
 @associative_scan_op.py_impl(ProxyTorchDispatchMode)
@@ -271,12 +271,16 @@ def associative_scan_proxy(
     additional_inputs: Sequence[Any],
     combine_mode: str,
 ) -> Any:
-    examples = [*lp.empty_slices(xs, [0] * len(xs)), *lp.empty_slices(xs, [0] * len(xs)), *additional_inputs]
-    (gm,), lifted = _subgraph.trace_branches([combine_fn], examples)
+    examples = [
+        *_loop_values.empty_slices(xs, [0] * len(xs)),
+        *_loop_values.empty_slices(xs, [0] * len(xs)),
+        *additional_inputs,
+    ]
+    (gm,), lifted = _lifting.trace_branches([combine_fn], examples)
     lp.check_body_effects(_NAME, "combine_fn", combine_fn, gm)
     all_additional = (*additional_inputs, *lifted)
     out = associative_scan_op(gm, tuple(xs), all_additional, combine_mode)  # reaches the fake rule
-    return _subgraph.emit(mode, associative_scan_op, (gm, tuple(xs), all_additional, combine_mode), out)
+    return _tracing.emit(mode, associative_scan_op, (gm, tuple(xs), all_additional, combine_mode), out)
 
 
 def _sequential(combine_fn: Fn) -> Fn:
@@ -293,7 +297,7 @@ def _sequential(combine_fn: Fn) -> Fn:
 class _Function(torch.autograd.Function):
     """An associative scan of traced values as one autograd node. Its derivatives are those of
     the sequential scan ``out[0] = xs[0]``, ``out[t] = combine_fn(out[t - 1], xs[t])``: a reverse
-    ``hop.scan`` of the vjp of ``combine_fn`` and a ``hop.scan`` of its jvp (``_looping``)."""
+    ``hop.scan`` of the vjp of ``combine_fn`` and a ``hop.scan`` of its jvp (``_scan_derivatives``)."""
 
     generate_vmap_rule = True
 
@@ -319,7 +323,7 @@ class _Function(torch.autograd.Function):
         g_ys = [g[1:] if d else None for g, d in zip(grads, diff, strict=True)]
         zeros = [torch.zeros_like(i) if d else None for i, d in zip(init, diff, strict=True)]
         rest = [x[1:] for x in xs]
-        g = lp.scan_vjp(
+        g = _scan_derivatives.scan_vjp(
             scan_op,
             _sequential(ctx.combine_fn),
             init,
@@ -344,6 +348,10 @@ class _Function(torch.autograd.Function):
         t_in = [*(t.select(0, 0) for t in t_xs), *(t[1:] for t in t_xs), *tangents[3 + nx :]]
         rest = [x[1:] for x in xs]
         out = as_tuple(
-            lp.scan_jvp(SCAN.call, _sequential(ctx.combine_fn), init, rest, additional, False, t_in, diff * 2)
+            _scan_derivatives.scan_jvp(
+                SCAN.call, _sequential(ctx.combine_fn), init, rest, additional, False, t_in, diff * 2
+            )
         )
-        return lp.pack([None if t is None else torch.cat([t0[:1], t]) for t0, t in zip(t_xs, out[nx:], strict=True)])
+        return _loop_values.pack(
+            [None if t is None else torch.cat([t0[:1], t]) for t0, t in zip(t_xs, out[nx:], strict=True)]
+        )

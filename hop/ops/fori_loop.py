@@ -13,8 +13,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from hop import _observe, _observe_calls, _reference, _subgraph, _transforms
+from hop import _observe, _observe_calls, _reference, _transforms
 from hop import _validation as validation
+from hop import subgraph as _subgraph
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops.while_loop import while_loop, while_loop_op
 

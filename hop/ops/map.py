@@ -17,9 +17,10 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference, _subgraph
+from hop import _observe, _observe_calls, _pytree, _reference
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
+from hop.ops import _loop_checks, _loop_values
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
 from hop.ops.scan import scan_op
@@ -58,20 +59,20 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
         return map_op(DYNAMO_CALL, map, f, xs, *args)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
         return _observe_calls.watch("map", map, (f, xs, *args))
-    lp.check_callable("map", "f", f)
-    xs_leaves, xs_spec = _subgraph.flatten_dropping_none(xs)
-    arg_leaves, args_spec = _subgraph.flatten_dropping_none(args)
-    dims, n = lp.check_xs("map", xs, xs_leaves, 0)
-    lp.check_leaves("map", "args", args, arg_leaves, ints=True)
+    _loop_checks.check_callable("map", "f", f)
+    xs_leaves, xs_spec = _pytree.flatten_dropping_none(xs)
+    arg_leaves, args_spec = _pytree.flatten_dropping_none(args)
+    dims, n = _loop_checks.check_xs("map", xs, xs_leaves, 0)
+    _loop_checks.check_leaves("map", "args", args, arg_leaves, ints=True)
     if lp.runs_inline(n, xs_leaves, arg_leaves):
         if n == 0:
             return _empty_map(f, xs_leaves, xs_spec, arg_leaves, args_spec)
-        items = lp.slices(xs, xs_leaves, xs_spec, dims)
-        return lp.stack_ys(MAP, f, [f(x, *args) for x in items], 0, "output")
+        items = _loop_values.slices(xs, xs_leaves, xs_spec, dims)
+        return _loop_values.stack_ys(MAP, f, [f(x, *args) for x in items], 0, "output")
     body, y_spec, passed = _flat_body(f, xs_spec, args_spec, arg_leaves)
     body, lifted = lp.lift_closures(body, lambda: lp.examples((), xs_leaves, passed))
     out = map_op(body, tuple(xs_leaves), (*passed, *lifted))
-    return _subgraph.unflatten(as_tuple(out), y_spec[0])
+    return _pytree.unflatten(as_tuple(out), y_spec[0])
 
 
 def _empty_map(f: Fn, xs_leaves: list[Any], xs_spec: Any, arg_leaves: list[Any], args_spec: Any) -> Any:
@@ -79,12 +80,14 @@ def _empty_map(f: Fn, xs_leaves: list[Any], xs_spec: Any, arg_leaves: list[Any],
     body, y_spec, passed = _flat_body(f, xs_spec, args_spec, arg_leaves)
 
     def run(fake: list[Any]) -> list[Any]:
-        out = body(*lp.empty_slices(xs_leaves, [0] * len(xs_leaves)), *fake)
-        lp.check_static(MAP, f, out, _subgraph.leaf_paths_dropping_none(_subgraph.unflatten(out, y_spec[0]), "output"))
+        out = body(*_loop_values.empty_slices(xs_leaves, [0] * len(xs_leaves)), *fake)
+        _loop_checks.check_static(
+            MAP, f, out, _pytree.leaf_paths_dropping_none(_pytree.unflatten(out, y_spec[0]), "output")
+        )
         return [(y.shape, y.dtype, y.device) for y in out]
 
-    metas = lp.on_fake(MAP, f, passed, run)
-    return _subgraph.unflatten([torch.empty((0, *s), dtype=d, device=dev) for s, d, dev in metas], y_spec[0])
+    metas = _loop_checks.on_fake(MAP, f, passed, run)
+    return _pytree.unflatten([torch.empty((0, *s), dtype=d, device=dev) for s, d, dev in metas], y_spec[0])
 
 
 def _flat_body(f: Fn, xs_spec: Any, args_spec: Any, arg_leaves: list[Any]) -> tuple[Fn, list[Any], list[Any]]:
@@ -96,14 +99,12 @@ def _flat_body(f: Fn, xs_spec: Any, args_spec: Any, arg_leaves: list[Any]) -> tu
 
     def body(*leaves: Any) -> tuple[Any, ...]:
         passed = iter(leaves[nx:])
-        args = _subgraph.unflatten(
-            [a if c else next(passed) for a, c in zip(arg_leaves, const, strict=True)], args_spec
-        )
-        out = f(_subgraph.unflatten(leaves[:nx], xs_spec), *args)
-        error = lp.ys_error(MAP, f, [out], 0, "output")
+        args = _pytree.unflatten([a if c else next(passed) for a, c in zip(arg_leaves, const, strict=True)], args_spec)
+        out = f(_pytree.unflatten(leaves[:nx], xs_spec), *args)
+        error = _loop_checks.ys_error(MAP, f, [out], 0, "output")
         if error is not None:
             raise error
-        y_leaves, y_spec[0] = _subgraph.flatten_dropping_none(out)
+        y_leaves, y_spec[0] = _pytree.flatten_dropping_none(out)
         return tuple(y_leaves)
 
     body.__qualname__ = getattr(f, "__qualname__", type(f).__qualname__)

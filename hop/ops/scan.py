@@ -18,10 +18,11 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference, _subgraph
+from hop import _observe, _observe_calls, _pytree, _reference
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, format_message, type_name
+from hop.ops import _loop_checks, _loop_values
 from hop.ops import _looping as lp
 from hop.ops._branching import as_tuple
 
@@ -79,17 +80,17 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
         kwargs = {"dim": dim, "reverse": reverse}
         watched: tuple[Any, Any] = _observe_calls.watch("scan", scan, (combine_fn, init, xs), kwargs)
         return watched
-    lp.check_callable("scan", "combine_fn", combine_fn)
+    _loop_checks.check_callable("scan", "combine_fn", combine_fn)
     if type(reverse) is not bool:
         raise HopTypeError(
             format_message("scan", f"reverse must be a bool, got {type_name(reverse)}"), op="scan", role="reverse"
         )
-    init_leaves, init_spec = _subgraph.flatten_dropping_none(init)
-    xs_leaves, xs_spec = _subgraph.flatten_dropping_none(xs)
-    lp.check_leaves("scan", "init", init, init_leaves)
+    init_leaves, init_spec = _pytree.flatten_dropping_none(init)
+    xs_leaves, xs_spec = _pytree.flatten_dropping_none(xs)
+    _loop_checks.check_leaves("scan", "init", init, init_leaves)
     if not xs_leaves and type(dim) is int:  # nothing to scan over: a Python loop over nothing
         return no_steps(init, xs)
-    dims, n = lp.check_xs("scan", xs, xs_leaves, dim)
+    dims, n = _loop_checks.check_xs("scan", xs, xs_leaves, dim)
     if lp.runs_inline(n, init_leaves, xs_leaves):
         return _scan_inline(combine_fn, init, xs, xs_leaves, xs_spec, dims, dim, n, reverse)
     body, y_spec = _flat_body(combine_fn, init_spec, xs_spec, dim)
@@ -97,8 +98,8 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     body, lifted = lp.lift_closures(body, lambda: lp.examples(init_leaves, moved, ()))
     out = as_tuple(scan_op(body, tuple(init_leaves), moved, tuple(lifted), reverse))
     k = len(init_leaves)
-    ys = [y.movedim(0, lp.stack_dim(dim, y.dim() - 1)) if dim else y for y in out[k:]]
-    return _subgraph.unflatten(out[:k], init_spec), _subgraph.unflatten(ys, y_spec[0])
+    ys = [y.movedim(0, _loop_values.stack_dim(dim, y.dim() - 1)) if dim else y for y in out[k:]]
+    return _pytree.unflatten(out[:k], init_spec), _pytree.unflatten(ys, y_spec[0])
 
 
 def no_steps(init: Any, xs: Any) -> tuple[Any, Any]:
@@ -114,48 +115,48 @@ def _scan_inline(
     """The Python loop (Note [scans run inline]); the first iteration is checked."""
     if n == 0:
         return _empty_scan(combine_fn, init, xs_leaves, xs_spec, dims, dim)
-    items = lp.slices(xs, xs_leaves, xs_spec, dims)
+    items = _loop_values.slices(xs, xs_leaves, xs_spec, dims)
     order = iter(range(n - 1, -1, -1) if r else range(n))
     ys: list[Any] = [None] * n
     i = next(order)
     out = combine_fn(init, items[i])
     if type(out) not in _PAIR or len(out) != 2:
-        raise lp.not_a_pair(SCAN, combine_fn, out)
+        raise _loop_checks.not_a_pair(SCAN, combine_fn, out)
     carry, ys[i] = out
-    leaves = lp.check_carry(SCAN, combine_fn, init, carry)
+    leaves = _loop_checks.check_carry(SCAN, combine_fn, init, carry)
     for i in order:
         out = combine_fn(carry, items[i])
         if type(out) not in _PAIR or len(out) != 2:
-            raise lp.not_a_pair(SCAN, combine_fn, out)
+            raise _loop_checks.not_a_pair(SCAN, combine_fn, out)
         carry, ys[i] = out
     if n > 1:  # the first iteration was checked; a later one may change the carry's structure
-        leaves = lp.check_carry(SCAN, combine_fn, init, carry)
-    init_leaves, init_spec = _subgraph.flatten_dropping_none(init)
-    final = _subgraph.unflatten(lp.no_alias(leaves, [*init_leaves, *xs_leaves]), init_spec)
-    return final, lp.stack_ys(SCAN, combine_fn, ys, dim, "y")
+        leaves = _loop_checks.check_carry(SCAN, combine_fn, init, carry)
+    init_leaves, init_spec = _pytree.flatten_dropping_none(init)
+    final = _pytree.unflatten(_loop_values.no_alias(leaves, [*init_leaves, *xs_leaves]), init_spec)
+    return final, _loop_values.stack_ys(SCAN, combine_fn, ys, dim, "y")
 
 
 def _empty_scan(
     combine_fn: Fn, init: Any, xs_leaves: list[Any], xs_spec: Any, dims: list[int], dim: int
 ) -> tuple[Any, Any]:
     """Length 0: ``init`` (cloned) and empty ``ys``, shaped by running ``combine_fn`` once on fake tensors."""
-    init_leaves, init_spec = _subgraph.flatten_dropping_none(init)
+    init_leaves, init_spec = _pytree.flatten_dropping_none(init)
 
     def run(fake: list[Any]) -> Any:
         out = _flat_body(combine_fn, init_spec, xs_spec, dim)
-        flat = out[0](*fake, *lp.empty_slices(xs_leaves, dims))
+        flat = out[0](*fake, *_loop_values.empty_slices(xs_leaves, dims))
         ys = flat[len(fake) :]
-        lp.check_static(
-            SCAN, combine_fn, ys, _subgraph.leaf_paths_dropping_none(_subgraph.unflatten(ys, out[1][0]), "y")
+        _loop_checks.check_static(
+            SCAN, combine_fn, ys, _pytree.leaf_paths_dropping_none(_pytree.unflatten(ys, out[1][0]), "y")
         )
         return [(y.shape, y.dtype, y.device) for y in ys], out[1][0]
 
-    metas, spec = lp.on_fake(SCAN, combine_fn, init_leaves, run)
+    metas, spec = _loop_checks.on_fake(SCAN, combine_fn, init_leaves, run)
     ys = []
     for shape, dtype, device in metas:
-        at = lp.stack_dim(dim, len(shape))
+        at = _loop_values.stack_dim(dim, len(shape))
         ys.append(torch.empty((*shape[:at], 0, *shape[at:]), dtype=dtype, device=device))
-    return _subgraph.unflatten([t.clone() for t in init_leaves], init_spec), _subgraph.unflatten(ys, spec)
+    return _pytree.unflatten([t.clone() for t in init_leaves], init_spec), _pytree.unflatten(ys, spec)
 
 
 def _flat_body(combine_fn: Fn, init_spec: Any, xs_spec: Any, dim: int) -> tuple[Fn, list[Any]]:
@@ -164,15 +165,15 @@ def _flat_body(combine_fn: Fn, init_spec: Any, xs_spec: Any, dim: int) -> tuple[
     y_spec: list[Any] = [None]
 
     def body(*leaves: Any) -> tuple[Any, ...]:
-        carry = _subgraph.unflatten(leaves[:nc], init_spec)
-        out = combine_fn(carry, _subgraph.unflatten(leaves[nc:], xs_spec))
+        carry = _pytree.unflatten(leaves[:nc], init_spec)
+        out = combine_fn(carry, _pytree.unflatten(leaves[nc:], xs_spec))
         if type(out) not in _PAIR or len(out) != 2:
-            raise lp.not_a_pair(SCAN, combine_fn, out)
-        carry_leaves = lp.check_carry(SCAN, combine_fn, carry, out[0])
-        error = lp.ys_error(SCAN, combine_fn, [out[1]], dim, "y")
+            raise _loop_checks.not_a_pair(SCAN, combine_fn, out)
+        carry_leaves = _loop_checks.check_carry(SCAN, combine_fn, carry, out[0])
+        error = _loop_checks.ys_error(SCAN, combine_fn, [out[1]], dim, "y")
         if error is not None:
             raise error
-        y_leaves, y_spec[0] = _subgraph.flatten_dropping_none(out[1])
+        y_leaves, y_spec[0] = _pytree.flatten_dropping_none(out[1])
         return (*carry_leaves, *y_leaves)
 
     body.__qualname__ = getattr(combine_fn, "__qualname__", type(combine_fn).__qualname__)

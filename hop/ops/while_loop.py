@@ -30,8 +30,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from hop import _observe, _observe_calls, _reference, _subgraph, _transforms
+from hop import _observe, _observe_calls, _reference, _transforms
 from hop import _validation as validation
+from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording, trial_run
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
@@ -45,7 +46,7 @@ from hop.ops._common import (
     save_operands,
     saved_operands,
 )
-from hop.ops._looping import leaf_difference
+from hop.ops._loop_checks import leaf_difference
 
 __all__ = ["while_loop", "while_loop_op"]
 
@@ -453,7 +454,7 @@ def while_loop_proxy(
         templates = generalize_carries(
             _NAME, body_fn, tuple(carried_inputs), tuple(additional_inputs), shape_env, fresh=False
         )
-        # Note [bodies are traced on values they can see] (hop._subgraph)
+        # Note [bodies are traced on values they can see] (hop._tracing)
         templates = tuple(_subgraph.trace_example(t) for t in templates)
     (cond_graph, body_graph), lifted = _subgraph.trace_branches([cond_fn, body_fn], (*templates, *additional_inputs))
     _check_cond_graph(cond_graph, cond_fn)
@@ -675,7 +676,7 @@ def _as_node(
     cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], level: int | None = None
 ) -> Any:
     """One autograd node; what the functions close over and need grad for becomes
-    additional inputs (Note [closure conversion] in hop._subgraph)."""
+    additional inputs (Note [closure conversion] in hop._closures)."""
     (cond_fn, body_fn), captured = _subgraph.convert_closures([cond_fn, body_fn], [*carried, *additional], level)
     additional = (*additional, *captured)
     apply: Callable[..., Any] = _LoopFunction.apply

@@ -18,7 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from hop.testing._check import COMPILED, TRANSFORMS, CheckFailure, Report, bundle, check, reference
+from hop.testing._case import COMPILED, TRANSFORMS, CheckFailure, reference
+from hop.testing._check import Report, bundle, check
 
 __all__ = ["COMPILED", "TRANSFORMS", "CheckFailure", "Report", "bundle", "check", "programs", "reference", "strategies"]
 

@@ -1,0 +1,136 @@
+"""Tracing a callable into an ``fx.GraphModule``, and recording a hop call in the active trace.
+
+:func:`trace_subgraph` traces at the current make_fx level (re-entering the active
+tracer, or under a fresh fake mode); :func:`trace_example` and
+:func:`unknown_value` make the values a loop body is traced on; :func:`emit`
+records a call of a hop operator in the active proxy tracer's graph, with its
+subgraphs as get_attr submodules. What a traced branch closes over is lifted by
+``hop._lifting``, on top of this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as py_pytree
+
+from hop import _observe
+
+__all__ = ["emit", "keeping_node_meta", "trace_example", "trace_subgraph", "unknown_value"]
+
+
+def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.GraphModule:
+    """Trace ``fn(*args)`` into a GraphModule at the current level.
+
+    Under make_fx (and so torch.export), the active tracer's sub-tracer is
+    re-entered: it shares the fake mode, the ShapeEnv and the decomposition
+    table. Otherwise ``fn`` is traced by a fresh make_fx under the inputs' fake
+    mode (or a new one).
+    """
+    from torch.fx.experimental import proxy_tensor
+
+    fn = keeping_node_meta(fn)
+    tracer = proxy_tensor._CURRENT_MAKE_FX_TRACER
+    if tracer is not None:
+        return tracer.trace_subgraph(fn, *args)
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode(list(args))
+    if fake_mode is None:
+        return proxy_tensor.make_fx(fn, tracing_mode="fake")(*args)
+    with fake_mode:
+        return proxy_tensor.make_fx(fn, tracing_mode="real")(*args)
+
+
+# Note [re-traced subgraphs keep their node meta]
+# Re-tracing a captured program under torch.fx.traceback.preserve_node_meta() (as
+# AOTAutograd does, and users who re-run make_fx) copies each node's stack_trace,
+# source_fn_stack and nn_module_stack from the node being run to the nodes it
+# produces; that needs the graph run node by node by an fx.Interpreter. A body that
+# is already a GraphModule (an operator's argument in the program) is run that way,
+# or its nodes would point at hop's rule instead of the user's line.
+
+
+def keeping_node_meta(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run by an fx.Interpreter if it is a GraphModule and node meta is preserved."""
+    if not isinstance(fn, torch.fx.GraphModule) or not torch.fx.traceback.has_preserved_node_meta():
+        return fn
+    graph_module = fn
+
+    def interpreted(*args: Any) -> Any:
+        with torch.fx.traceback.preserve_node_meta():
+            return torch.fx.Interpreter(graph_module).run(*args)
+
+    interpreted.__wrapped__ = graph_module  # type: ignore[attr-defined]  # names it in errors
+    return interpreted
+
+
+# Note [bodies are traced on values they can see]
+# A loop body is traced on fresh tensors, never on the carries themselves (a body
+# may also read the loop's initial tensor through a closure, and two carries must
+# not alias). Fake and meta values carry no data: an empty tensor serves. Under
+# make_fx(tracing_mode="real") the body's ops run for real while it is traced, and
+# so does a loop nested in it: on uninitialized memory its trip count would be
+# arbitrary (tracing could hang). A real value is therefore copied: the carry the
+# loop starts from (the first slice, for a scan) is what the first iteration sees.
+
+
+def trace_example(value: Any) -> Any:
+    """A fresh contiguous tensor standing for ``value`` while a loop body is traced
+    (Note [bodies are traced on values they can see]); non-tensors are returned as is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    from hop._transforms import is_plain_tensor
+
+    if is_plain_tensor(value):  # real data
+        return value.detach().clone(memory_format=torch.contiguous_format)
+    return unknown_value(value.new_empty(value.shape))
+
+
+def unknown_value(value: Any) -> Any:
+    """``value``, or for a fake tensor whose value FakeTensorMode knows (a one-element
+    literal's, such as a counter's ``torch.tensor(0)``, or what such a value propagated
+    to) a fresh one of its metadata that knows none.
+
+    A loop's carries change between iterations: a body run or traced on a known value
+    would bake that value in (``w[i]`` with the counter read as 0 every step), and
+    FakeTensorMode propagates a known value through ``new_empty``/``empty_like`` as
+    uninitialized memory, an arbitrary number."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(value, FakeTensor) or value.constant is None:
+        return value
+    fresh = value.new_empty(value.shape)
+    assert isinstance(fresh, FakeTensor)  # made in value's fake mode
+    fresh.constant = None
+    return fresh
+
+
+def emit(mode: Any, op: Any, args: Sequence[Any], out: Any) -> Any:
+    """Record ``op(*args)`` in ``mode``'s graph and bind ``out`` to the new node.
+
+    GraphModules in ``args`` (also inside lists and tuples) are registered as
+    submodules of the tracer's root, so they appear as get_attr arguments.
+    ``out`` is the value the call produces (from the fake rule).
+    """
+    tracer = mode.tracer
+
+    def to_arg(a: Any) -> Any:
+        if isinstance(a, torch.fx.GraphModule):
+            name = tracer.get_fresh_qualname(f"{op.name()}_graph_")
+            tracer.root.register_module(name, a)
+            return a
+        return tracer.unwrap_proxy(a)
+
+    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+
+    proxy_args = py_pytree.tree_map(to_arg, tuple(args))
+    out_proxy = tracer.create_proxy("call_function", op, proxy_args, {})
+    if _observe.SINKS or _observe.structured_on():
+        from hop._observe_traced import traced_node
+
+        traced_node(op.name(), tuple(args))
+    return track_tensor_tree(out, out_proxy, constant=None, tracer=tracer)

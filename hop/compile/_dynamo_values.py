@@ -1,0 +1,202 @@
+"""Dynamo's values as hop's handlers read them: ``VariableTracker``s, their examples and pytrees.
+
+A handler checks a call on the example values behind Dynamo's variables (fake
+tensors, SymInts, constants: :func:`example`, :func:`example_tree`,
+:func:`callable_stand_in`), flattens and rebuilds their pytrees (:func:`flatten`,
+:func:`unflatten`, the ``None`` helpers), and makes fresh inputs for a callable to
+be traced on (:func:`fresh_input`, :func:`fresh`). Apart from
+``hop.compile._dynamo_capture``, which traces callables into subgraphs: this module
+only reads and builds values.
+
+Everything here imports torch._dynamo: it is loaded only once Dynamo is.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._dynamo.utils import _make_inlined
+from torch._dynamo.variables import ConstantVariable, VariableTracker
+from torch._dynamo.variables.builder import SourcelessBuilder, wrap_fx_proxy
+from torch._dynamo.variables.higher_order_ops import discard_graph_changes
+from torch._dynamo.variables.tensor import SymNodeVariable
+
+__all__ = [
+    "VT",
+    "callable_stand_in",
+    "constant",
+    "drop_none_outputs",
+    "example",
+    "example_tree",
+    "flatten",
+    "fresh",
+    "fresh_input",
+    "is_none",
+    "items",
+    "method",
+    "proxies",
+    "shown",
+    "unbound_dims",
+    "unflatten",
+    "with_none",
+    "without_none",
+]
+
+
+VT = VariableTracker
+
+
+def constant(value: Any) -> VT:
+    made: VT = ConstantVariable.create(value)
+    return made
+
+
+def items(tx: Any, vt: VT) -> list[VT]:
+    """The elements of a tuple or list variable."""
+    return list(vt.unpack_var_sequence(tx))
+
+
+def flatten(tx: Any, tree: VT) -> tuple[list[VT], VT]:
+    """Leaves and structure of a pytree of variables (torch.utils._pytree's order)."""
+    leaves, spec = items(tx, _make_inlined(tx, pytree.tree_flatten)(tree))
+    return items(tx, leaves), spec
+
+
+def unflatten(tx: Any, leaves: Sequence[VT], spec: VT | pytree.TreeSpec) -> VT:
+    spec_vt = spec if isinstance(spec, VT) else SourcelessBuilder.create(tx, spec)
+    return _make_inlined(tx, pytree.tree_unflatten)(SourcelessBuilder.create(tx, list(leaves)), spec_vt)
+
+
+def is_none(vt: VT) -> bool:
+    return isinstance(vt, ConstantVariable) and vt.value is None
+
+
+def without_none(leaves: Sequence[VT]) -> list[VT]:
+    """``leaves`` less the ``None``s: Dynamo's pytree keeps ``None`` as a leaf, where hop's
+    looping operators (and their checks) treat it as an empty subtree."""
+    return [leaf for leaf in leaves if not is_none(leaf)]
+
+
+def with_none(kept: Sequence[VT], like: Sequence[VT]) -> list[VT]:
+    """``kept`` with a ``None`` put back wherever ``like`` has one (undoes :func:`without_none`)."""
+    rest = iter(kept)
+    out = [constant(None) if is_none(leaf) else next(rest) for leaf in like]
+    if next(rest, None) is not None:
+        raise AssertionError("more values than non-None leaves")
+    return out
+
+
+def drop_none_outputs(graph: torch.fx.Graph) -> None:
+    """Remove the ``None``s a subgraph returns: hop's looping raw ops take only tensor and
+    int outputs, and the handler puts the ``None``s back around the node's outputs."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    (values,) = out.args
+    if isinstance(values, (tuple, list)):
+        out.args = (tuple(v for v in values if v is not None),)
+
+
+def example(vt: VT) -> Any:
+    """The value a leaf variable stands for: a fake tensor, a SymInt, a constant, or the object."""
+    vt = vt.realize()
+    if vt.is_tensor():
+        return vt.as_proxy().node.meta["example_value"]
+    if isinstance(vt, SymNodeVariable):
+        return vt.sym_num
+    if vt.is_python_constant():
+        try:
+            return vt.as_python_constant()
+        except NotImplementedError:
+            pass
+    for attr in ("value", "fn"):
+        if hasattr(vt, attr):
+            return getattr(vt, attr)
+    return vt
+
+
+def shown(vt: VT) -> Any:
+    """What a message saying ``got <type>`` names: a tensor is a ``Tensor`` (its example is
+    a ``FakeTensor``)."""
+    return torch.empty(0, device="meta") if vt.realize().is_tensor() else example(vt)
+
+
+def example_tree(tx: Any, tree: VT) -> Any:
+    """``tree`` with every leaf replaced by :func:`example`, for hop's eager checks."""
+    leaves, spec = flatten(tx, tree)
+    return pytree.tree_unflatten([example(leaf) for leaf in leaves], spec.as_python_constant())
+
+
+def callable_stand_in(tx: Any, vt: VT) -> Any:
+    """What hop's checks see for a function argument: the user's function (or a function
+    with its code, so messages name it), or the value itself when it is not callable."""
+    from torch._dynamo.variables.builtin import BuiltinVariable
+
+    vt = vt.realize()
+    if not BuiltinVariable(callable).call_function(tx, [vt], {}).as_python_constant():
+        return example(vt)
+    for attr in ("fn", "value"):
+        obj = getattr(vt, attr, None)
+        if callable(obj):
+            return obj
+    if hasattr(vt, "get_code"):  # a function made inside the compiled code
+        code = vt.get_code()
+        cells = tuple(types.CellType() for _ in code.co_freevars)
+        return types.FunctionType(code, {}, code.co_name, None, cells)
+    return _Traced()
+
+
+class _Traced:
+    """A callable Dynamo traces but whose Python object it does not have (a partial, ...)."""
+
+    __qualname__ = "<callable traced by torch.compile>"
+
+    def __call__(self, *args: Any) -> Any:
+        raise AssertionError("a stand-in is never called")
+
+
+def method(tx: Any, vt: VT, name: str, *args: Any) -> VT:
+    """``vt.name(*args)`` recorded in the current graph (``args`` constants or variables)."""
+    return vt.call_method(tx, name, [a if isinstance(a, VT) else constant(a) for a in args], {})
+
+
+def fresh_input(tx: Any, value: Any) -> VT:
+    """A variable whose example value is ``value`` (a fake tensor or SymInt), to trace a
+    callable with: only its metadata is read, its graph input is discarded."""
+    with discard_graph_changes(tx):
+        tracer = tx.output.current_tracer
+        for size in [value.shape[d] for d in unbound_dims(value)]:  # else Dynamo looks for them in the parent
+            if size.node.expr not in tracer.bound_symbols:
+                tracer.create_graph_input(str(size.node.expr), torch.SymInt, size)
+        proxy = tracer.create_graph_input("hop_example", type(value), value)
+        if isinstance(value, torch.SymInt):
+            return SymNodeVariable.create(tx, proxy, value)
+        return wrap_fx_proxy(tx, proxy, example_value=value)
+
+
+def unbound_dims(value: Any) -> list[int]:
+    """The dimensions of tensor ``value`` whose sizes are unbacked symbols of their own (a
+    loop's generalized carry): no graph binds them, so a subgraph taking ``value`` must."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not isinstance(value, torch.Tensor):
+        return []
+    return [
+        d
+        for d, s in enumerate(value.shape)
+        if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol and free_unbacked_symbols(s)
+    ]
+
+
+def fresh(tx: Any, values: Sequence[Any]) -> list[VT]:
+    """Variables standing for fresh copies of ``values`` (fake tensors, SymInts)."""
+    with tx.fake_mode:
+        copies = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+    return [fresh_input(tx, v) for v in copies]
+
+
+def proxies(values: Sequence[VT]) -> list[Any]:
+    return [v.as_proxy() for v in values]

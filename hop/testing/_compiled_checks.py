@@ -1,0 +1,104 @@
+"""The checks of ``COMPILED``: torch.compile (aot_eager, Inductor), strict export and AOTInductor.
+
+Each compiles or exports the program, then compares its forward (and, where the
+inputs have float leaves, its gradients) with the reference on the arguments and on
+perturbed copies that take other branches and trip counts. Apart from the eager
+transform checks because each compiles (seconds per program) and they are opt-in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hop._pytree import flatten, leaf_paths, unflatten
+from hop.testing._case import (
+    CheckCase,
+    Fn,
+    ProgramModule,
+    arg_leaves,
+    compare,
+    compare_tensors,
+    flat_program,
+    grads_of,
+    inputs_and_wants,
+    is_float,
+    roundtrip,
+    running,
+)
+
+
+def _check_forward_and_grads(case: CheckCase, transform: str, program: Fn, grads: bool = True) -> None:
+    """``program`` (a function of the tensor leaves) against the reference on every input, and its
+    gradients against the reference's where the inputs have float leaves."""
+    _, pick = flat_program(case)
+    leaves, _ = arg_leaves(case)
+    float_paths = [f"grad of {p}" for p, x in zip(leaf_paths(case.args, "args"), leaves, strict=True) if is_float(x)]
+    for args, want in inputs_and_wants(case):
+        with running(transform):
+            got = program(*pick(args))
+        compare(case, transform, got, want)
+        if not grads or not float_paths:
+            continue
+        try:
+            want_grads = grads_of(case, case.ref, args)
+        except Exception:
+            continue  # no reference gradient here (checked by "autograd" when it has one)
+        with running(transform):
+            got_grads = grads_of(case, lambda *a: program(*pick(a)), args)
+        compare_tensors(case, transform, got_grads, want_grads, float_paths)
+
+
+def _traceable_program(case: CheckCase) -> Fn:
+    """fn of the tensor leaves of the arguments, rebuilt with torch's Python pytree (Dynamo
+    traces it; hop's C++ pytree it cannot)."""
+    import torch.utils._pytree as py_pytree
+
+    leaves, spec = py_pytree.tree_flatten(case.args)
+    picked = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def on(*xs: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(picked, xs, strict=True):
+            full[i] = x
+        return case.fn(*py_pytree.tree_unflatten(full, spec))
+
+    return on
+
+
+def check_compile(case: CheckCase, backend: str) -> None:
+    on = _traceable_program(case)
+    torch._dynamo.reset()  # a fresh cache: each program compiles anew, guards and all
+    compiled = torch.compile(on, backend=backend, fullgraph=True, dynamic=True)
+    _check_forward_and_grads(case, f"compile_{backend}", compiled)
+
+
+def check_export_strict(case: CheckCase) -> None:
+    on, pick = _traceable_program(case), flat_program(case)[1]
+    with running("export_strict"):
+        ep = torch.export.export(ProgramModule(on, case.fn), tuple(pick(case.args)), strict=True)
+        module = roundtrip(ep).module()
+    _check_forward_and_grads(case, "export_strict", module, grads=False)
+
+
+def check_aoti(case: CheckCase) -> None:
+    import tempfile
+
+    on, pick = flat_program(case)
+    with running("aoti"), tempfile.TemporaryDirectory() as tmp:
+        ep = torch.export.export(ProgramModule(on, case.fn), tuple(pick(case.args)))
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp}/program.pt2")
+        package = torch._inductor.aoti_load_package(path)
+    _check_forward_and_grads(case, "aoti", lambda *xs: _as_reference(package(*xs), case.want), grads=False)
+
+
+def _as_reference(out: Any, like: Any) -> Any:
+    """An AOTInductor package returns ints as 0-dim tensors: read them back where the reference has ints."""
+    o_leaves, _ = flatten(out)
+    l_leaves, spec = flatten(like)
+    if len(o_leaves) != len(l_leaves):
+        return out
+    pairs = zip(o_leaves, l_leaves, strict=True)
+    fixed = [int(o) if isinstance(w, int) and isinstance(o, torch.Tensor) else o for o, w in pairs]
+    return unflatten(fixed, spec)
