@@ -309,9 +309,12 @@ def _scan_loop(
         for y in ys_meta
     ]
 
+    dense = _traced_contiguous(body)
+
     def step(t: Any, *state: Any) -> tuple[Any, ...]:
         ys_, carry, rest = state[:ny], state[ny : ny + nc], state[ny + nc :]
-        out = _as_tuple(body(*carry, *(x.select(0, t) for x in rest[:nx]), *rest[nx:]))
+        args = (*carry, *(x.select(0, t) for x in rest[:nx]), *rest[nx:])
+        out = _as_tuple(body(*(_dense(a) if j in dense else a for j, a in enumerate(args))))
         for y, o in zip(ys_, out[nc:], strict=True):
             y.select(0, t).copy_(o)
         return (*ys_, *map(_dense, out[:nc]))
@@ -319,6 +322,20 @@ def _scan_loop(
     n = xs[0].shape[0]
     out = _counted_loop(0, n, step, (*ys, *map(_dense, init)), (*xs, *additional), inputs, descending=reverse)
     return list(out[ny:]), list(out[:ny])
+
+
+def _traced_contiguous(body: Fn) -> set[int]:
+    """The inputs of a body graph that it was traced with as contiguous tensors.
+
+    A body runs in the loop on what the rewrite gives it: a slice of a scanned
+    tensor laid out otherwise (a scan over dim 1 sees slices of stride (n,)) would
+    reach a loop nested in the body with strides its carries do not keep, which
+    torch's while_loop refuses. Such an input is made contiguous, as traced.
+    """
+    if not isinstance(body, torch.fx.GraphModule):
+        return set()
+    traced = [p.meta.get("val") for p in body.graph.find_nodes(op="placeholder")]
+    return {j for j, v in enumerate(traced) if isinstance(v, torch.Tensor) and _is_dense(v)}
 
 
 def _buffer(name: str, like: torch.Tensor, inputs: Sequence[Any]) -> torch.Tensor:
@@ -333,14 +350,17 @@ def _dense(t: Any) -> Any:
     A loop carry keeps its strides across iterations (torch's while_loop checks
     it), and a gradient carry is often an expanded (stride-0) tensor.
     """
+    if not isinstance(t, torch.Tensor) or _is_dense(t):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides are known to be contiguous ones (no guard is added)."""
     from torch._prims_common import make_contiguous_strides_for
     from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-    if not isinstance(t, torch.Tensor):
-        return t
-    if statically_known_true(sym_eq(t.stride(), make_contiguous_strides_for(t.shape))):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return bool(statically_known_true(sym_eq(t.stride(), make_contiguous_strides_for(t.shape))))
 
 
 def _counted_loop(
@@ -370,9 +390,10 @@ def _counted_loop(
         # would fail at trace time. The outputs are copies, as the loop's would be.
         return [c.clone() if isinstance(c, torch.Tensor) else c for c in carried]
     symbolic = isinstance(stop, torch.SymInt)
-    # a float among the inputs (one Dynamo lifted, which Inductor made a constant) is
-    # closed over: torch's while_loop takes tensors and ints only
-    floats = {j: a for j, a in enumerate(additional) if isinstance(a, float)}
+    # a float among the inputs (one Dynamo lifted, which Inductor made a constant;
+    # torch 2.13 leaves it a SymFloat of a number) is closed over: torch's while_loop
+    # takes tensors and ints only
+    floats = {j: f for j, a in enumerate(additional) if (f := _constant_float(a)) is not None}
     passed = [a for j, a in enumerate(additional) if j not in floats]
     values = [*carried, *passed, *([stop] if symbolic else [])]
     known = plain_symbols(inputs)
@@ -404,6 +425,15 @@ def _counted_loop(
 
     out = torch.ops.higher_order.while_loop(cond_fn, body_fn, (counter, *carried), extra)
     return list(out[1:])
+
+
+def _constant_float(value: Any) -> float | None:
+    """``value`` as a Python float if it is a float or a SymFloat of a number."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, torch.SymFloat) and value.node.expr.is_number:
+        return float(value.node.expr)
+    return None
 
 
 def _sizes(name: str, sizes: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:

@@ -209,3 +209,28 @@ def test_operands_whose_traced_strides_are_floor_divisions(fn: Any) -> None:
     for n in (3, 4):
         x = torch.randn(n, n, n)
         torch.testing.assert_close(compiled(x), fn(x))
+
+
+def _ponder(x: torch.Tensor) -> Any:
+    # a scan over dim 1: each slice has stride (length,) and starts a nested loop's carry
+    def body(c: torch.Tensor, r: torch.Tensor) -> Any:
+        _, s = hop.while_loop(lambda n, s: (n < 3) & (s.abs().sum() < 1e3), lambda n, s: (n + 1, s * 0.5 + c), (0, r))
+        return c + s, s
+
+    return hop.scan(body, torch.zeros_like(x[:, 0]), x.t())
+
+
+def test_scanned_slices_feeding_a_nested_loop_keep_its_traced_strides() -> None:
+    # Inductor: slices of a transposed xs reached the nested loop with strides its
+    # carry does not keep (torch 2.13: a forward codegen failure; later releases:
+    # torch's while_loop refused the carry in training)
+    torch._dynamo.reset()
+    compiled = torch.compile(_ponder, backend="inductor", fullgraph=True, dynamic=True)
+    for n in (3, 5):
+        x = torch.randn(4, n, dtype=torch.float64, requires_grad=True)
+        out, ys = compiled(x)
+        expected, expected_ys = _ponder(x)
+        torch.testing.assert_close((out, ys), (expected, expected_ys))
+        (grad,) = torch.autograd.grad((out.sum() + ys.pow(2).sum()), x)
+        (expected_grad,) = torch.autograd.grad((expected.sum() + expected_ys.pow(2).sum()), x)
+        torch.testing.assert_close(grad, expected_grad)

@@ -15,23 +15,12 @@ from typing import Any
 import pytest
 import torch
 from matrix import check_aoti, check_compile, check_compile_grad, check_compile_training, check_export
-from torch._inductor.exc import InductorError
 from torch.export import Dim
 
 import hop
-from hop.compile._torch_api import VERSION
 from hop.errors import HopValueError
 
 IN, HIDDEN, MAX_PONDER, EPS = 3, 5, 4, 0.01
-
-# torch 2.13's Inductor fails on a while_loop inside a scan with a dynamic size, with
-# hop's operators alone (hop.scan over hop.while_loop, any body): torch 2.14 and 2.15 build it
-NESTED_LOOP_2_13 = pytest.mark.xfail(
-    VERSION < (2, 14),
-    reason="torch 2.13 Inductor: 'For 3*s90, expected [s90] to have been codegen-ed' (a while_loop in a scan)",
-    raises=InductorError,
-    strict=True,
-)
 
 
 class ACTRNN(torch.nn.Module):
@@ -151,7 +140,7 @@ def test_vmap_says_to_carry_the_counter_as_a_tensor() -> None:
         torch.vmap(model)(torch.stack([x, x * 3, x * 0.1]))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=NESTED_LOOP_2_13)])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_equals_eager(backend: str) -> None:
     model, cases = make()
     check_compile(model, cases, backend)
@@ -162,13 +151,6 @@ def test_compiled_gradients_equal_eager() -> None:
     check_compile_grad(model, cases, "aot_eager")
 
 
-@pytest.mark.xfail(
-    reason="Inductor: the backward of a scan over dim 1 holding a while_loop has a carry of stride (length,) "
-    "where torch's while_loop wants (1,): 'Expected carried_inputs and body_output to have same metadata' "
-    "(torch 2.14, 2.15; hop's operators alone, reported); on torch 2.13 the forward fails first (NESTED_LOOP_2_13)",
-    raises=InductorError,
-    strict=True,
-)
 def test_inductor_training_equals_the_python_twin() -> None:
     model, cases = make()
     check_compile_training(model, cases, "inductor", loss=lambda out: out[0].pow(2).sum(), reference=twin_of(model))
