@@ -267,8 +267,10 @@ def _bind_item_symbols(*graphs: torch.fx.GraphModule) -> set[Any]:
     hop traces an int carry (or an int a branch reads) as a 0-dim int64 tensor that
     the functions read with ``.item()``, under ``ignore_fresh_unbacked_symbols``:
     the nodes may carry no ``unbacked_bindings``, which Inductor's lowering of
-    ``_local_scalar_dense`` needs to emit the read.
+    ``_local_scalar_dense`` needs to emit the read. A float read gets a symbol of its
+    own when it has none.
     """
+    from torch._inductor.virtualized import V
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     items = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
@@ -276,8 +278,16 @@ def _bind_item_symbols(*graphs: torch.fx.GraphModule) -> set[Any]:
     for gm in graphs:
         for node in gm.graph.nodes:
             val = node.meta.get("val")
-            if node.target in items and isinstance(val, torch.SymInt):
+            if node.target in items and isinstance(val, (torch.SymInt, torch.SymFloat)):
                 symbol = val.node.expr
+                if isinstance(val, torch.SymFloat) and "unbacked_bindings" not in node.meta:
+                    # a read of the float input Dynamo made of a global gives its input's
+                    # symbol (torch before 2.15 reads it in the subgraph), which the
+                    # subgraph's kernels are not passed: the read defines a symbol of its own
+                    shape_env = V.graph.sizevars.shape_env
+                    with shape_env.ignore_fresh_unbacked_symbols():
+                        val = shape_env.create_unbacked_symfloat()
+                    node.meta["val"], symbol = val, val.node.expr
                 if symbol.is_Symbol and free_unbacked_symbols(symbol):
                     node.meta.setdefault("unbacked_bindings", {symbol: ()})
                     symbols.add(symbol)

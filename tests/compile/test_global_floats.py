@@ -35,7 +35,18 @@ def counted_body(x: torch.Tensor) -> torch.Tensor:
     return hop.while_loop(lambda i, v: (i < 3) & (v.sum() < 100 - EPS), lambda i, v: (i + 1, v.sin() * EPS), (0, x))[1]
 
 
-PROGRAMS: list[Callable[[torch.Tensor], Any]] = [both_branches, condition_and_body, counted_body]
+def read_by_the_body(x: torch.Tensor) -> torch.Tensor:
+    # torch 2.13 and 2.14 read the float in the body's subgraph: Inductor's lowering of
+    # that read had no symbol to define (found by tests/models' early-exit transformer)
+    def body(i: int, v: torch.Tensor, done: torch.Tensor) -> Any:
+        v = torch.where(done, v, v.sin() + 0.5)
+        return i + 1, v, done | (v > EPS)
+
+    start = (0, x, torch.zeros_like(x, dtype=torch.bool))
+    return hop.while_loop(lambda i, v, done: (i < 4) & (~done).any(), body, start)[1]
+
+
+PROGRAMS: list[Callable[[torch.Tensor], Any]] = [both_branches, condition_and_body, counted_body, read_by_the_body]
 INPUTS = [torch.tensor([1.0, 0.5, -0.25]), torch.tensor([-2.0, 0.5, 0.25]), torch.tensor([0.1, 0.2, 0.3, 0.4])]
 
 
