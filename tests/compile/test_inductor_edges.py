@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hop
+from hop.compile._torch_api import VERSION
 from hop.errors import CompileUnsupported
 
 
@@ -234,3 +235,23 @@ def test_scanned_slices_feeding_a_nested_loop_keep_its_traced_strides() -> None:
         (grad,) = torch.autograd.grad((out.sum() + ys.pow(2).sum()), x)
         (expected_grad,) = torch.autograd.grad((expected.sum() + expected_ys.pow(2).sum()), x)
         torch.testing.assert_close(grad, expected_grad)
+
+
+@pytest.mark.xfail(
+    VERSION < (2, 14),
+    strict=True,
+    reason="torch 2.13 (found by the compiled fuzzer's long profile): Inductor's C++ codegen asserts on the "
+    "vectorized scatter-add of index_select's backward inside a loop body (torch's own map fails alike; "
+    "torch 2.14 builds it); a loud error, never a wrong value",
+)
+def test_index_select_backward_inside_a_loop_body() -> None:
+    def fn(y: torch.Tensor) -> Any:
+        return hop.map(lambda r: r.index_select(0, torch.zeros(r.shape[0], dtype=torch.long)) * r, y)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True, dynamic=True)
+    for n in (3, 5):
+        y = torch.randn(4, n, 1, dtype=torch.float64, requires_grad=True)
+        (got,) = torch.autograd.grad(compiled(y).sum(), y)
+        (want,) = torch.autograd.grad(fn(y).sum(), y)
+        torch.testing.assert_close(got, want)
