@@ -12,7 +12,8 @@ For a small body that is several times the cost of the ops themselves.
 ``step_function`` writes, once per graph (cached on the ``GraphModule`` until it is
 recompiled), a Python function that computes the same outputs: each ``OpOverload``
 called through its ``_op``, nodes that nothing reads and that have no effect dropped
-(mutating, random and ``_assert*`` ops, and every op outside ``aten``, always run), and optionally
+(mutating, random, effectful and ``_assert*`` ops, ops that return nothing, and every op
+outside ``aten`` always run), and optionally
 
 - some outputs left out (their computation dropped with them), and
 - some 0-dim integer tensor inputs passed as Python ints instead: every ``.item()``
@@ -80,13 +81,16 @@ def _pure(node: _Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
+    if node.is_impure():  # FX's view: effectful (torch's registry), mutating, random, asserts
+        return False
     if isinstance(target, torch._ops.OpOverload):
         schema = target._schema
         name = schema.name
         if target.namespace != "aten":  # a custom op may have effects its schema does not declare
             return False
         return not (
-            schema.is_mutable
+            not schema.returns  # run for its effect only (aten._linalg_check_errors raises)
+            or schema.is_mutable
             or torch.Tag.nondeterministic_seeded in target.tags
             or "_assert" in name
             or "constrain" in name
@@ -369,6 +373,13 @@ def _counted(cond: torch.fx.GraphModule, body: torch.fx.GraphModule, n: int) -> 
     return CountedLoop(slot, bound, counters, reads, step)
 
 
+def _int_scalar(v: Any) -> bool:
+    """A 0-dim integer tensor that needs no grad: its ``<`` and ``+ 1`` are those of ints."""
+    if not isinstance(v, torch.Tensor) or v.dim() != 0 or v.requires_grad:
+        return False
+    return not (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool)
+
+
 def run_counted(loop: CountedLoop, carry: Sequence[Any], additional: Sequence[Any]) -> tuple[Any, ...] | None:
     """The loop in Python (Note [running a traced body per step]), or None when the values
     are not what the counted form needs (a counter that is not a 0-dim integer tensor, a
@@ -380,14 +391,14 @@ def run_counted(loop: CountedLoop, carry: Sequence[Any], additional: Sequence[An
         bound = (*carry, *additional)[where[0]]
         if len(where) == 2:
             bound = bound.shape[where[1]] if isinstance(bound, torch.Tensor) else None
+        elif _int_scalar(bound):  # while_loop's `i < n` with a tensor n: read once
+            bound = int(bound.item())
     if type(bound) is not int:
         return None
     counts = {}
     for k in loop.counters:
         c = carry[k]
-        if not isinstance(c, torch.Tensor) or c.dim() != 0 or c.requires_grad:
-            return None
-        if c.dtype.is_floating_point or c.dtype.is_complex or c.dtype == torch.bool:
+        if not _int_scalar(c):
             return None
         counts[k] = int(c.item())
     start = counts[loop.slot]

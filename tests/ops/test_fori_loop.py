@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import check_autograd, check_eager, check_export, check_jvp
+from harness import OpCounts, check_autograd, check_eager, check_export, check_jvp
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hop
@@ -136,19 +136,6 @@ def test_int_bounds_under_a_trace_without_symbols_name_fori_loop() -> None:
 # --- a traced counted loop run eagerly (Note [running a traced body per step]) ---------------------
 
 
-class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
-    """How many times each aten op runs while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 _COUNTER_OPS = ("_local_scalar_dense", "item", "scalar_tensor", "lt", "add")
 
 
@@ -185,7 +172,7 @@ def test_exported_counted_loop_moves_no_counter_per_step(uses_i: bool) -> None:
         ep = torch.export.export(m, (x,))
         with torch.no_grad():
             torch.testing.assert_close(ep.module()(x), m.python(x))
-            with _OpCounts() as seen:
+            with OpCounts() as seen:
                 ep.module()(x)
         assert seen.counts["tanh"] == upper - lower
         counts[upper - lower] = _counter_ops(seen.counts)
@@ -209,7 +196,7 @@ def test_traced_counted_loop_with_a_symbolic_bound() -> None:
     gm = make_fx(f, tracing_mode="symbolic")(torch.ones(3))
     counts = set()
     for n in (0, 1, 7):
-        with _OpCounts() as seen:
+        with OpCounts() as seen:
             got = gm(torch.ones(n))
         torch.testing.assert_close(got, reference(0, n, lambda i, y: y * 0.5 + i, torch.ones(n)))
         assert seen.counts.get("mul", 0) == n
@@ -225,7 +212,7 @@ def test_traced_counted_loop_forward_and_backward_equal_eager() -> None:
 
     x, w = torch.randn(2, 4), torch.randn(4, 4) * 0.5
     gm = make_fx(step, tracing_mode="fake")(x, w)
-    with _OpCounts() as seen:
+    with OpCounts() as seen:
         got = gm(x, w)
     torch.testing.assert_close(got, step(x, w))
     # 3 * 30 runs of the body: the forward loop, the scan that stacks its carries, the
