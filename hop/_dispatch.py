@@ -77,6 +77,7 @@ class Operator(Protocol):
 
 
 _Tensor = torch.Tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a Tensor that disables __torch_function__
 _mode_stack_len = torch._C._len_torch_dispatch_stack
 _tf_mode_enabled = torch._C._is_torch_function_mode_enabled
 _is_included = torch._C._dispatch_tls_is_dispatch_key_included
@@ -147,6 +148,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 
 
 def _record(op: Operator, key: Any, route: str, kernel: Any = None, detail: Any = None) -> None:
+    if not _SINKS:  # nothing watches (a watched call's frame exists only while a sink does)
+        return
     name = getattr(kernel, "__qualname__", None) if kernel is not None else None
     key_name = str(key).removeprefix("DispatchKey.")
     rec = _records.DispatchRecord(
@@ -198,7 +201,7 @@ def _plain_kernel(op: Operator, args: tuple[Any, ...]) -> Kernel | None:
     for arg in args:
         for t in arg if type(arg) in _SEQUENCES else (arg,):
             if isinstance(t, _Tensor):
-                if type(t) is not _Tensor or _is_functional(t) or (grad and t.requires_grad):
+                if type(t) not in _PLAIN or _is_functional(t) or (grad and t.requires_grad):
                     return None
                 if t.is_cpu:
                     on_cpu = True

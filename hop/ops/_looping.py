@@ -40,7 +40,7 @@ from hop.errors import (
     HopValueError,
     format_message,
 )
-from hop.ops import _common
+from hop.ops import _common, _graph_step
 from hop.ops._branching import as_tuple
 from hop.ops._common import check_effects, differentiable, save_operands, saved_operands
 from hop.ops._loop_checks import LENGTH, check_carry, check_static, on_fake
@@ -87,8 +87,8 @@ def dense(
     if n == 0:
         return _empty(L, body, init, xs, additional)
     nc = len(init)
-    # a traced body has no module hooks: skip nn.Module's call path
-    step = body.forward if isinstance(body, torch.fx.GraphModule) else body
+    # a traced body has no module hooks: skip nn.Module's call path (Note [running a traced body per step])
+    step = (_graph_step.step_function(body) or body.forward) if isinstance(body, torch.fx.GraphModule) else body
     carry: Sequence[Any] = tuple(c.contiguous() for c in init) if traced else tuple(init)
     ys: list[Any] = [None] * n
     for i in range(n - 1, -1, -1) if reverse else range(n):

@@ -36,7 +36,7 @@ from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording, trial_run
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
-from hop.ops import _checkpoint, _loop_reverse
+from hop.ops import _checkpoint, _graph_step, _loop_reverse
 from hop.ops._branching import as_tuple, like, no_alias
 from hop.ops._common import (
     check_effects,
@@ -276,11 +276,22 @@ def _run_graphs(
     """A traced loop outside every transform (an exported program running): the
     condition was checked when traced and no vmap batches it, so a step is the two
     graphs' code and nothing else (a reverse-mode backward runs three such loops)."""
-    cond, body = cond_fn.forward, body_fn.forward  # traced subgraphs have no module hooks to run
-    carry = _contiguous(carry)
-    while cond(*carry, *additional):
-        carry = _contiguous(as_tuple(body(*carry, *additional)))
-    return carry
+    counted = _graph_step.counted_loop(cond_fn, body_fn, len(carry))  # Note [running a traced body per step]
+    if counted is not None:
+        out = _graph_step.run_counted(counted, carry, additional)
+        if out is not None:
+            return out
+    # traced subgraphs have no module hooks to run
+    cond = _graph_step.step_function(cond_fn) or cond_fn.forward
+    body = _graph_step.step_function(body_fn, contiguous=True)
+    values = _contiguous(carry)
+    if body is None:
+        while cond(*values, *additional):
+            values = _contiguous(as_tuple(body_fn.forward(*values, *additional)))
+        return values
+    while cond(*values, *additional):
+        values = body(*values, *additional)
+    return values
 
 
 def _contiguous(values: Sequence[Any]) -> tuple[Any, ...]:

@@ -151,3 +151,16 @@ def check_export(
         for program in programs:
             assert_close(program.module()(*args), want)
     return ep
+
+
+class OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
+    """How many times each aten op (by overload packet name) runs while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

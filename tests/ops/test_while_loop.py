@@ -6,6 +6,7 @@ import itertools
 import weakref
 from typing import Any
 
+import harness
 import pytest
 import torch
 from harness import check_autograd, check_eager, check_export, check_jvp, check_make_fx, check_vmap, roundtrip
@@ -851,3 +852,61 @@ def test_an_int_compared_first_traces_without_error_logs(
         torch.testing.assert_close(got[1], want[1])
     logged = capfd.readouterr().err + caplog.text
     assert "failed while attempting to run meta" not in logged
+
+
+# --- a traced loop run eagerly (Note [running a traced body per step] in hop.ops._graph_step) -----
+
+
+class TensorCounted(torch.nn.Module):
+    def __init__(self, counter_as_tensor: bool = False) -> None:
+        super().__init__()
+        self.counter_as_tensor = counter_as_tensor
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor, n: torch.Tensor) -> Any:
+        def body(i: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = torch.tanh(y * 1.1 + 0.1)
+            return i + 1, (y * (i + 1) if self.counter_as_tensor else y)
+
+        return hop.while_loop(lambda i, y: i < n, body, (start, x))
+
+
+def tensor_counted_ref(x: torch.Tensor, start: int, n: int, counter_as_tensor: bool = False) -> Any:
+    i, y = start, x
+    while i < n:
+        y = torch.tanh(y * 1.1 + 0.1)
+        y = y * (i + 1) if counter_as_tensor else y
+        i += 1
+    return torch.tensor(i), y
+
+
+@pytest.mark.parametrize("counter_as_tensor", [False, True])
+def test_exported_loop_with_a_tensor_counter_and_bound(counter_as_tensor: bool) -> None:
+    # i < n with a tensor n and i + 1: counted in Python when only the condition reads i
+    # (the number of steps is known before the first), stepped when the body reads it too
+    x = torch.randn(5)
+    ep = torch.export.export(TensorCounted(counter_as_tensor), (x, torch.tensor(0), torch.tensor(3)))
+    lts = {}
+    for start, n in ((0, 0), (0, 1), (2, 9), (5, 3), (-3, 30)):
+        with harness.OpCounts() as seen:
+            got = ep.module()(x, torch.tensor(start), torch.tensor(n))
+        want = tensor_counted_ref(x, start, n, counter_as_tensor)
+        torch.testing.assert_close(got, want)
+        assert seen.counts.get("tanh", 0) == max(n - start, 0)
+        lts[max(n - start, 0)] = seen.counts.get("lt", 0)
+    if counter_as_tensor:
+        assert lts[33] == 34  # the condition runs every step
+    else:
+        assert len(set(lts.values())) == 1
+
+
+def test_traced_loop_gets_contiguous_carries_from_a_counted_body() -> None:
+    # Note [traced bodies see contiguous values]: the body returns a transposed carry
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return hop.fori_loop(0, 3, lambda i, y: (y.reshape(-1).flip(0).reshape(y.shape) + i).t(), x)  # type: ignore[no-any-return]
+
+    x = torch.arange(4.0).reshape(2, 2)
+    gm = make_fx(f, tracing_mode="fake")(x)
+    want = x
+    for i in range(3):
+        want = (want.reshape(-1).flip(0).reshape(want.shape) + i).t()
+    torch.testing.assert_close(gm(x), want)
