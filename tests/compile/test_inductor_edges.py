@@ -13,6 +13,7 @@ import torch
 import hop
 from hop.compile._torch_api import VERSION
 from hop.errors import CompileUnsupported
+from hop.testing import CheckFailure, check
 
 
 def _scans(xs: torch.Tensor) -> Any:
@@ -255,3 +256,19 @@ def test_index_select_backward_inside_a_loop_body() -> None:
         (got,) = torch.autograd.grad(compiled(y).sum(), y)
         (want,) = torch.autograd.grad(fn(y).sum(), y)
         torch.testing.assert_close(got, want)
+
+
+def _scan_then_combine(x: torch.Tensor) -> Any:
+    carry, ys = hop.scan(lambda c, r: (c + r, r * c), x.sum(-1), x, dim=-1, reverse=True)
+    return (ys + carry.unsqueeze(-1),)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=CheckFailure,
+    reason="open (issue 21, found by the compiled fuzzer's long profile): the AOTInductor package of a scan "
+    "whose final carry and stacked outputs are combined after it fails to build (the C++ wrapper declares a "
+    "buffer handle twice); a loud error, never a wrong value",
+)
+def test_aoti_of_a_scan_whose_outputs_are_combined() -> None:
+    check(_scan_then_combine, torch.tensor([1.5, 2.0, -1e-5]), transforms=("eager", "aoti"))
