@@ -314,7 +314,7 @@ def _scan_loop(
     def step(t: Any, *state: Any) -> tuple[Any, ...]:
         ys_, carry, rest = state[:ny], state[ny : ny + nc], state[ny + nc :]
         args = (*carry, *(x.select(0, t) for x in rest[:nx]), *rest[nx:])
-        out = _as_tuple(body(*(_dense(a) if j in dense else a for j, a in enumerate(args))))
+        out = _as_tuple(body(*(_dense_like(name, a, inputs) if j in dense else a for j, a in enumerate(args))))
         for y, o in zip(ys_, out[nc:], strict=True):
             y.select(0, t).copy_(o)
         return (*ys_, *map(_dense, out[:nc]))
@@ -355,12 +355,30 @@ def _dense(t: Any) -> Any:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _is_dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s strides are known to be contiguous ones (no guard is added)."""
-    from torch._prims_common import make_contiguous_strides_for
-    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+def _dense_like(name: str, t: Any, inputs: Sequence[Any]) -> Any:
+    """``t``, or a contiguous copy whose sizes are built from the traced inputs' (a
+    size the meta holds as an expression, ``(s**3)//(s**2)``, is no value the rewrite's
+    tracer knows)."""
+    if not isinstance(t, torch.Tensor) or _is_dense(t):
+        return t
+    return torch.empty(_sizes(name, t.shape, inputs), dtype=t.dtype, device=t.device).copy_(t)
 
-    return bool(statically_known_true(sym_eq(t.stride(), make_contiguous_strides_for(t.shape))))
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides are known to be contiguous ones. Decided on the sizes'
+    expressions: no guard is added, and no SymInt arithmetic is traced (a size a meta
+    holds may be no value the rewrite's tracer knows)."""
+    import sympy
+
+    def expr(v: Any) -> Any:
+        return v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(v)
+
+    expected = sympy.Integer(1)
+    for size, stride in reversed(list(zip(map(expr, t.shape), map(expr, t.stride()), strict=True))):
+        if size != 1 and sympy.expand(stride - expected) != 0:
+            return False
+        expected = expected * size
+    return True
 
 
 def _counted_loop(
