@@ -26,7 +26,7 @@ cache holds :data:`CACHE_SIZE`.
 
 :func:`cond` and :func:`switch` return the result, :data:`MISS` (nothing ran:
 Python takes over), or ``(out, k, entry)``: branch ``k`` ran and returned ``out``,
-which ``_branching.finish_ran`` finishes (a new output kind, zero gradients to
+which ``_branching_eager.finish_ran`` finishes (a new output kind, zero gradients to
 attach, an alias to clone).
 
 The two give the same answer for every call (tests/property/test_fastpath_twin.py
@@ -134,7 +134,7 @@ def _usual(kinds: set[Any], operand_kind: Any) -> Any:
 
 
 def py_cond(pred: Any, true_fn: Fn, false_fn: Fn, operands: Any) -> Any:
-    """The result, :data:`MISS`, or ``(out, k, entry)`` for ``_branching.finish_ran``."""
+    """The result, :data:`MISS`, or ``(out, k, entry)`` for ``_branching_eager.finish_ran``."""
     if type(pred) is not _Tensor or type(operands) is not tuple or len(operands) != 1:
         return MISS
     x = operands[0]
