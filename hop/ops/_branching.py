@@ -136,8 +136,9 @@ def flat_branches(b: Branching, branches: Sequence[Fn], in_spec: Any) -> tuple[l
 # --- the user-level call --------------------------------------------------------------------
 
 
-def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
-    """``branches[index(sel)](*operands)`` through the raw op, after checking the arguments."""
+def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any, taken: int | None = None) -> Any:
+    """``branches[index(sel)](*operands)`` through the raw op, after checking the arguments;
+    ``taken``: the index the caller already read from ``sel`` in plain eager."""
     roles = b.roles(len(branches))
     for role, fn in zip(roles, branches, strict=True):
         if not callable(fn):
@@ -147,7 +148,7 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any) -> Any:
     check_operands(b.name, operands)
     leaves, in_spec = _pytree.flatten(tuple(operands))
     if _transforms.is_concrete(sel) and _transforms.in_plain_eager() and all(map(_plain_leaf, leaves)):
-        k = b.index(sel, len(branches))
+        k = b.index(sel, len(branches)) if taken is None else taken
         if _SINKS:
             _observe.note(b.name, inline=True)
         key = _validate(b, branches, operands, leaves, in_spec, k)

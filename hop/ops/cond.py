@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hop import _observe, _observe_calls, _reference
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
-from hop._transforms import DYNAMO_CALL, functorch_level, is_dynamo_compiling, mode_stack_len, tf_mode_enabled
+from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.ops import _branching as br
 from hop.ops import _branching_eager as fast
@@ -93,13 +93,10 @@ def cond(
                 raise HopTypeError(format_message("cond", f"{role} must be callable, got {type(fn).__name__}"))
         br.check_operands("cond", operands)
         return true_fn(*operands) if pred else false_fn(*operands)
+    k = -1  # the branch pred gives, once read (read once: a user mode sees one read, as in Python)
     if (
-        type(pred) is _Tensor
-        and type(operands) is tuple
-        and not mode_stack_len()
-        and functorch_level() is None
-        and not tf_mode_enabled()  # also active whenever torch.export's pre-dispatch tracer is
-    ):  # plain eager: see _branching_eager
+        type(pred) is _Tensor and type(operands) is tuple and in_plain_eager()  # Note [plain eager]
+    ):  # see _branching_eager
         try:
             k = 0 if pred else 1  # a number's truth, as a Python if; meta or several elements raise
         except (RuntimeError, NotImplementedError):
@@ -117,7 +114,7 @@ def cond(
     _check_pred(pred)
     if isinstance(pred, torch.Tensor) and pred.dtype is not _BOOL:
         pred = pred != 0  # a number's truth, as a Python if (the graph then holds a bool pred)
-    return br.call(COND, pred, (true_fn, false_fn), operands)
+    return br.call(COND, pred, (true_fn, false_fn), operands, taken=k if k >= 0 else None)
 
 
 def _is_numpy_bool(pred: Any) -> bool:

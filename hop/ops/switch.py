@@ -19,14 +19,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _observe, _observe_calls, _reference
 from hop._operator import HigherOrderOperator
-from hop._transforms import (
-    DYNAMO_CALL,
-    functorch_level,
-    is_dynamo_compiling,
-    is_plain_tensor,
-    mode_stack_len,
-    tf_mode_enabled,
-)
+from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling, is_plain_tensor, mode_stack_len
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _branching as br
 from hop.ops import _branching_eager as fast
@@ -88,15 +81,14 @@ def switch(
         return switch_op(DYNAMO_CALL, switch, index, branches, operands)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
         return _observe_calls.watch("switch", switch, (index, branches, operands))
+    k = -1  # the branch index gives, once read (read once: a user mode sees one read, as in Python)
     if (
         type(index) is _Tensor
         and type(operands) is tuple
         and type(branches) in _SEQUENCES
         and index.dtype in _INDEX_DTYPES
-        and not mode_stack_len()
-        and functorch_level() is None
-        and not tf_mode_enabled()  # also active whenever torch.export's pre-dispatch tracer is
-    ):  # plain eager: see _branching_eager
+        and in_plain_eager()  # Note [plain eager]
+    ):  # see _branching_eager
         try:
             k = int(index)  # meta or several elements raise: the general path explains
         except (RuntimeError, NotImplementedError, ValueError):
@@ -127,7 +119,8 @@ def switch(
                 )
         br.check_operands("switch", operands)
         return branches[_index(index, len(branches))](*operands)
-    return br.call(SWITCH, index, tuple(branches), operands)
+    taken = k if 0 <= k < len(branches) else None
+    return br.call(SWITCH, index, tuple(branches), operands, taken=taken)
 
 
 def _check_index(index: Any) -> None:
