@@ -135,6 +135,8 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
 class _Rebind(torch.overrides.TorchFunctionMode):
     """Swaps tensors (by identity) for others in every torch call: Note [closure conversion]."""
 
+    supports_higher_order_operators = True  # not a user mode: it rewrites an operator's callables
+
     def __init__(self, subs: dict[int, Any]) -> None:
         super().__init__()
         self.subs = subs

@@ -29,9 +29,12 @@ excluded below the autograd route, functorch rules lower their interpreter
 themselves. Every guard and popped mode is a context manager, so all of it is
 restored when a kernel raises.
 
-Plain eager calls (no mode, no transform, no torch-function mode, plain
-tensors that need no grad) take a fast path decided with a handful of cheap
-checks, which lands on the same backend kernel the full computation would.
+Calls with nothing active (``hop._transforms.nothing_active``: no mode, no
+transform, no torch-function mode) on plain tensors that need no grad take a fast
+path decided with a handful of cheap checks, which lands on the same backend
+kernel the full computation would. Under user modes only (Note [plain eager]) the
+routes below reach that kernel too, with the modes active; a torch-function mode
+sees the raw op as one call, as it sees any torch function.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from typing import Any, Protocol, cast
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
-from torch._C._functorch import maybe_current_level as _functorch_level
 from torch._ops import resolve_key
 from torch.utils._python_dispatch import (
     _get_current_dispatch_mode,
@@ -50,7 +52,7 @@ from torch.utils._python_dispatch import (
 
 from hop import _observe, _records
 from hop._closures import closure_tensors
-from hop._transforms import is_user_mode
+from hop._transforms import is_user_mode, nothing_active
 from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
 
 __all__ = ["Operator", "call", "dispatch", "tensors_in", "map_tensors"]
@@ -79,7 +81,6 @@ class Operator(Protocol):
 _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a Tensor that disables __torch_function__
 _mode_stack_len = torch._C._len_torch_dispatch_stack
-_tf_mode_enabled = torch._C._is_torch_function_mode_enabled
 _is_included = torch._C._dispatch_tls_is_dispatch_key_included
 _is_functional = torch._is_functional_tensor
 _grad_enabled = torch.is_grad_enabled
@@ -167,9 +168,7 @@ def call(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if (
         not kwargs
         and not _SINKS
-        and not _mode_stack_len()
-        and _functorch_level() is None
-        and not _tf_mode_enabled()
+        and nothing_active()  # Note [plain eager]: under user modes the routes below reach the same kernel
         and not _is_included(_PRE_DISPATCH)
         and not _is_included(_FUNCTIONALIZE)
     ):

@@ -58,9 +58,12 @@ enum { E_ITEMS, E_DTYPE, E_NDIM, E_DEVICE, E_KINDS, E_USUAL, E_NAMES, E_KEY, E_S
 static const char *ENTRY_FIELDS[E_SIZE] = {"items", "dtype", "ndim", "device", "kinds", "usual", "names", "key"};
 
 /* 1 when no dispatch mode, no functorch transform and no torch-function mode is
-   active (hop._transforms' plain eager), 0 otherwise, -1 on error. */
+   active (hop._transforms.nothing_active), 0 otherwise, -1 on error. The cache
+   serves only then, not in all of plain eager (Note [plain eager]): under user modes
+   Python serves the call, reading the selector once, as a Python `if` does (here a
+   read that finds no entry would be a second one). */
 static int
-plain_eager(void)
+nothing_active(void)
 {
     PyObject *r = PyObject_CallNoArgs(mode_stack_len);
     if (r == NULL)
@@ -82,6 +85,16 @@ plain_eager(void)
     none = r == Py_False;
     Py_DECREF(r);
     return none;
+}
+
+/* nothing_active(): the C module's answer, for the test that asks every path */
+static PyObject *
+fast_nothing_active(PyObject *self, PyObject *unused)
+{
+    int yes = nothing_active();
+    if (yes < 0)
+        return NULL;
+    return PyBool_FromLong(yes);
 }
 
 /* 1 when hop.config.validate is "once", no hop.debug sink is installed and no
@@ -385,7 +398,7 @@ served_operand(PyObject *selector, PyObject *ops)
         return NULL;
     int ok = validate_once();
     if (ok > 0)
-        ok = plain_eager();
+        ok = nothing_active();
     return ok > 0 ? x : NULL;
 }
 
@@ -483,6 +496,8 @@ static PyMethodDef methods[] = {
      "cond(pred, true_fn, false_fn, operands): the result, MISS, or (out, k, entry) for Python to finish."},
     {"switch", (PyCFunction)(void (*)(void))fast_switch, METH_FASTCALL,
      "switch(index, branches, operands): the result, MISS, or (out, k, entry) for Python to finish."},
+    {"nothing_active", (PyCFunction)fast_nothing_active, METH_NOARGS,
+     "nothing_active(): whether the module may serve a call now (hop._transforms.nothing_active)."},
     {NULL, NULL, 0, NULL},
 };
 

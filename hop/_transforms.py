@@ -14,9 +14,13 @@ from torch._C._functorch import maybe_current_level as _functorch_level
 
 __all__ = [
     "in_plain_eager",
+    "nothing_active",
     "no_modes",
     "is_user_mode",
+    "is_user_function_mode",
     "only_user_modes",
+    "only_user_function_modes",
+    "is_default_device",
     "note_rule_for",
     "is_real",
     "is_concrete",
@@ -49,24 +53,42 @@ def is_plain_tensor(x: Any) -> bool:
     return type(x) in _PLAIN_TYPES and not x.is_meta and not torch._is_functional_tensor(x)
 
 
+def nothing_active() -> bool:
+    """No dispatch mode, no functorch transform, no torch-function mode: the cheap
+    first half of :func:`in_plain_eager` (three 0.05 us checks), which the
+    dispatcher's shortcut to a backend kernel also takes."""
+    return not mode_stack_len() and _functorch_level() is None and not tf_mode_enabled()
+
+
 def no_modes() -> bool:
-    """Nothing traces: no dispatch mode but user modes (Note [user modes]), no
-    torch-function mode, no pre-dispatch tracer."""
-    return (not mode_stack_len() or only_user_modes()) and not tf_mode_enabled() and not is_included(PRE_DISPATCH)
+    """Nothing traces: no dispatch mode and no torch-function mode but user ones (Note
+    [user modes]), no pre-dispatch tracer."""
+    return (
+        (not mode_stack_len() or only_user_modes())
+        and (not tf_mode_enabled() or only_user_function_modes())
+        and not is_included(PRE_DISPATCH)
+    )
 
 
 # Note [user modes]
 # A TorchDispatchMode that no hop operator has a rule for, and that does not set
 # ``supports_higher_order_operators``, is a user mode: one that logs, counts, caches
 # or checks aten ops (selective checkpointing's caching modes, a user's op logger).
-# hop treats a program under user modes only as plain eager: selectors are
-# concrete, the public functions validate (with the user modes out of the way, so
-# that validation stays invisible to them) and the rules run the callables inline,
-# so the modes see the aten ops of what runs, as under a Python ``if`` or loop. A
-# raw op that reaches the Python key there runs its backend kernel with the modes
-# still active (``hop._dispatch``). Below a tracing mode (fake, make_fx, export,
-# functionalization) a user mode is stepped over: the op reaches the tracing mode
-# whole, and the user mode sees nothing of what it traces.
+# A TorchFunctionMode is a user mode unless it sets ``supports_higher_order_operators``
+# (hop's own closure-rebinding and fake-closure modes do: they rewrite an operator's
+# callables) or torch defines it (torch.export's and make_fx's tracers), except
+# ``torch.device(...)`` used as a context manager, a user's default device.
+# hop treats a program under user modes only as plain eager (Note [plain eager]):
+# selectors are concrete, the public functions validate (with the user modes out of
+# the way, so that validation stays invisible to them; a default device stays, so
+# that the fake run makes what the real one makes) and the rules run the callables
+# inline, so the modes see the aten ops (torch functions) of what runs, as under a
+# Python ``if`` or loop. A raw op that reaches the Python key there runs its backend
+# kernel with the modes still active (``hop._dispatch``); a raw op called under a
+# torch-function mode is one torch function to it, as ``torch.add`` is. Below a
+# tracing mode (fake, make_fx, export, functionalization) a user mode is stepped
+# over: the op reaches the tracing mode whole, and the user mode sees nothing of
+# what it traces.
 
 _RULE_MODE_TYPES: set[type] = set()  # mode types some hop operator has a rule for (HigherOrderOperator.py_impl)
 _USER_MODE_TYPES: dict[type, bool] = {}  # cache of is_user_mode's answer per mode type
@@ -94,6 +116,30 @@ def only_user_modes() -> bool:
     return all(is_user_mode(torch._C._get_dispatch_stack_at(i)) for i in range(mode_stack_len()))
 
 
+_DEFAULT_DEVICE_MODE = "torch.utils._device.DeviceContext"  # torch.device(...) as a context manager
+
+
+def is_default_device(mode: Any) -> bool:
+    """``mode`` is ``torch.device(...)`` used as a context manager (or set_default_device)."""
+    cls = type(mode)
+    return f"{cls.__module__}.{cls.__qualname__}" == _DEFAULT_DEVICE_MODE
+
+
+def is_user_function_mode(mode: Any) -> bool:
+    """Note [user modes]: a torch-function mode that wants no higher-order operator
+    whole: not hop's own, not one of torch's tracers (a default device is a user's)."""
+    if getattr(mode, "supports_higher_order_operators", False):
+        return False
+    module = type(mode).__module__
+    return not (module == "torch" or module.startswith("torch.")) or is_default_device(mode)
+
+
+def only_user_function_modes() -> bool:
+    """Every torch-function mode on the stack is a user mode (Note [user modes])."""
+    stack_at = torch._C._get_function_stack_at
+    return all(is_user_function_mode(stack_at(i)) for i in range(torch._C._len_torch_function_stack()))
+
+
 def is_real(x: Any) -> bool:
     """An int, or a tensor that is real under every functorch wrapper (batched ones too)."""
     if not isinstance(x, _Tensor):
@@ -104,7 +150,24 @@ def is_real(x: Any) -> bool:
 
 
 def in_plain_eager() -> bool:
-    """No functorch transform, and nothing traces (:func:`no_modes`)."""
+    """Note [plain eager]: no functorch transform, and nothing traces (:func:`no_modes`).
+
+    Note [plain eager]
+    The one definition of plain eager, which every eager path of hop asks (the
+    public functions and their long-hand fast paths, the rules' inline runs, the
+    loops): no functorch transform, no pre-dispatch tracer, and no dispatch or
+    torch-function mode but user modes (Note [user modes]). Under it a real selector
+    is read and the callables run as plain Python, so a user's mode sees what runs,
+    as under a Python ``if``. Two paths serve only the part of it where
+    :func:`nothing_active` holds, which implies plain eager at a third of the cost:
+    the inline cache (``hop.ops._inline`` and ``hop._fastpath``, which reads the
+    selector before it knows it has an entry: under a user mode a miss would make
+    that read a second one) and the dispatcher's shortcut to a backend kernel (under
+    user modes its full route reaches the same kernel). tests/test_plain_eager.py asks
+    every definition in the same states.
+    """
+    if nothing_active():  # and so no pre-dispatch tracer: its torch-function mode would be active
+        return True
     return _functorch_level() is None and no_modes()
 
 

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hop import _closures, _observe, _pytree, config
+from hop import _closures, _observe, _pytree, _transforms, config
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 
 __all__ = [
@@ -312,7 +312,8 @@ def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     # user modes (Note [user modes]) would see the fake run's meta kernels: set them aside
     user_modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
-    with user_modes, temporarily_clear_interpreter_stack():  # Note [validation under torch.func]
+    function_modes = _user_function_modes_aside() if torch._C._len_torch_function_stack() else contextlib.nullcontext()
+    with user_modes, function_modes, temporarily_clear_interpreter_stack():  # Note [validation under torch.func]
         fake = [_to_fake(mode, x) if isinstance(x, torch.Tensor) else x for x in leaves]
         with (
             _observe.validation_run(),
@@ -323,6 +324,26 @@ def fake_inputs(leaves: Sequence[Any]) -> Iterator[list[Any]]:
             _FakeClosures(mode),
         ):
             yield fake
+
+
+@contextlib.contextmanager
+def _user_function_modes_aside() -> Iterator[None]:
+    """The torch-function stack without its user modes (Note [user modes]): a mode that
+    logs torch calls never sees the fake run. A default device (``torch.device(...)``
+    as a context manager) stays, so the fake run makes its tensors where the real run does."""
+    popped = []
+    while torch._C._len_torch_function_stack():
+        popped.append(torch._C._pop_torch_function_stack())  # innermost first
+    try:
+        for mode in reversed(popped):
+            if not _transforms.is_user_function_mode(mode) or _transforms.is_default_device(mode):
+                torch._C._push_on_torch_function_stack(mode)
+        yield
+    finally:
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 # Note [validation under torch.func]
@@ -406,6 +427,8 @@ logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietWhileValidati
 
 class _FakeClosures(torch.overrides.TorchFunctionMode):
     """Every real tensor a torch call receives becomes its fake copy (Note [validation is invisible])."""
+
+    supports_higher_order_operators = True  # not a user mode: it rewrites an operator's callables
 
     def __init__(self, mode: FakeTensorMode) -> None:
         super().__init__()

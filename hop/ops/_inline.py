@@ -2,7 +2,9 @@
 
 Note [the eager inline cache]
 The commonest call of cond and switch, in eager with nothing active (no mode, no
-transform) and a validated signature, runs one branch on one tensor. What it must
+transform: ``hop._transforms.nothing_active``, the cheap part of Note [plain eager];
+under user modes the long-hand Python paths serve it) and a validated signature,
+runs one branch on one tensor. What it must
 check on every call (the verdict's operand kind, the output's kind: Note [outputs
 are checked on every call]; whether the branches can read a tensor that requires
 grad: Note [untaken branches get zero gradients]; that the output does not alias
@@ -26,7 +28,7 @@ cache holds :data:`CACHE_SIZE`.
 
 :func:`cond` and :func:`switch` return the result, :data:`MISS` (nothing ran:
 Python takes over), or ``(out, k, entry)``: branch ``k`` ran and returned ``out``,
-which ``_branching.finish_ran`` finishes (a new output kind, zero gradients to
+which ``_branching_eager.finish_ran`` finishes (a new output kind, zero gradients to
 attach, an alias to clone).
 
 The two give the same answer for every call (tests/property/test_fastpath_twin.py
@@ -50,7 +52,7 @@ import torch
 
 from hop import _closures, _observe, _reference, config
 from hop import _validation as validation
-from hop._transforms import functorch_level, mode_stack_len, tf_mode_enabled
+from hop._transforms import functorch_level, mode_stack_len, nothing_active, tf_mode_enabled
 from hop.ops._zero_grads import reads_nothing
 
 __all__ = ["BUILT", "CACHE_SIZE", "MISS", "Entry", "cond", "key", "remember", "switch"]
@@ -134,11 +136,11 @@ def _usual(kinds: set[Any], operand_kind: Any) -> Any:
 
 
 def py_cond(pred: Any, true_fn: Fn, false_fn: Fn, operands: Any) -> Any:
-    """The result, :data:`MISS`, or ``(out, k, entry)`` for ``_branching.finish_ran``."""
+    """The result, :data:`MISS`, or ``(out, k, entry)`` for ``_branching_eager.finish_ran``."""
     if type(pred) is not _Tensor or type(operands) is not tuple or len(operands) != 1:
         return MISS
     x = operands[0]
-    if type(x) is not _Tensor or not _plain_eager():
+    if type(x) is not _Tensor or not _served():
         return MISS
     fns = (true_fn, false_fn)
     e = _find("cond", fns, x)
@@ -158,7 +160,7 @@ def py_switch(index: Any, branches: Any, operands: Any) -> Any:
     if type(branches) is not list and type(branches) is not tuple:
         return MISS
     x = operands[0]
-    if type(x) is not _Tensor or not branches or not _plain_eager() or index.dtype not in _INDEX_DTYPES:
+    if type(x) is not _Tensor or not branches or not _served() or index.dtype not in _INDEX_DTYPES:
         return MISS
     try:
         k = int(index)  # before the list is read: it may release the GIL
@@ -189,17 +191,11 @@ def _is(a: Any, b: Any) -> bool:
     return a is b
 
 
-def _plain_eager() -> bool:
+def _served() -> bool:
     """validate "once", no hop.debug sink, no thread in hop.testing.reference(), and
-    nothing active (no mode, no transform)."""
-    return (
-        config.validate == "once"
-        and not _observe.SINKS
-        and not _reference.ACTIVE
-        and not mode_stack_len()
-        and functorch_level() is None
-        and not tf_mode_enabled()
-    )
+    nothing active (``nothing_active``: the cache serves only part of plain eager,
+    Note [plain eager])."""
+    return config.validate == "once" and not _observe.SINKS and not _reference.ACTIVE and nothing_active()
 
 
 def _find(name: str, fns: Sequence[Fn], x: torch.Tensor) -> Entry | None:

@@ -1,7 +1,7 @@
 """``hop.cond`` and its raw op ``torch.ops.hop.cond``.
 
 Rules are cond's registrations of the shared branching rules (cond is a
-two-branch switch, see ``_branching``), in hop's fixed order: dense, autograd,
+two-branch switch, see ``_branching_rules``), in hop's fixed order: dense, autograd,
 grad / jvp, vmap, functionalize, fake, proxy.
 """
 
@@ -20,9 +20,11 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hop import _observe, _observe_calls, _reference
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
-from hop._transforms import DYNAMO_CALL, functorch_level, is_dynamo_compiling, mode_stack_len, tf_mode_enabled
+from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.ops import _branching as br
+from hop.ops import _branching_eager as fast
+from hop.ops import _branching_rules as rules
 from hop.ops import _inline
 from hop.ops._common import refuse_legacy_onnx
 
@@ -78,7 +80,7 @@ def cond(
         if type(r) is _Tensor:
             return r
         if r is not _MISS:
-            return br.finish_ran(COND, (true_fn, false_fn), operands, *r)
+            return fast.finish_ran(COND, (true_fn, false_fn), operands, *r)
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_cond(pred, true_fn, false_fn, operands)
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
@@ -91,31 +93,28 @@ def cond(
                 raise HopTypeError(format_message("cond", f"{role} must be callable, got {type(fn).__name__}"))
         br.check_operands("cond", operands)
         return true_fn(*operands) if pred else false_fn(*operands)
+    k = -1  # the branch pred gives, once read (read once: a user mode sees one read, as in Python)
     if (
-        type(pred) is _Tensor
-        and type(operands) is tuple
-        and not mode_stack_len()
-        and functorch_level() is None
-        and not tf_mode_enabled()  # also active whenever torch.export's pre-dispatch tracer is
-    ):  # plain eager: see _branching.eager_fast
+        type(pred) is _Tensor and type(operands) is tuple and in_plain_eager()  # Note [plain eager]
+    ):  # see _branching_eager
         try:
             k = 0 if pred else 1  # a number's truth, as a Python if; meta or several elements raise
         except (RuntimeError, NotImplementedError):
             k = -1  # the general path explains
         if k >= 0:
             if len(operands) == 1 and type(operands[0]) is _Tensor:  # the commonest call
-                out = br.eager_one(COND, k, (true_fn, false_fn), operands[0])
-                if out is not br.MISS:
+                out = fast.eager_one(COND, k, (true_fn, false_fn), operands[0])
+                if out is not fast.MISS:
                     return out
-            out = br.eager_fast("cond", k, (true_fn, false_fn), operands)
-            if out is not br.MISS:
+            out = fast.eager_fast("cond", k, (true_fn, false_fn), operands)
+            if out is not fast.MISS:
                 return out
     if _is_numpy_bool(pred):
         return cond(bool(pred), true_fn, false_fn, operands)
     _check_pred(pred)
     if isinstance(pred, torch.Tensor) and pred.dtype is not _BOOL:
         pred = pred != 0  # a number's truth, as a Python if (the graph then holds a bool pred)
-    return br.call(COND, pred, (true_fn, false_fn), operands)
+    return br.call(COND, pred, (true_fn, false_fn), operands, taken=k if k >= 0 else None)
 
 
 def _is_numpy_bool(pred: Any) -> bool:
@@ -192,39 +191,39 @@ Fn = Callable[..., Any]
 
 @cond_op.py_impl(DispatchKey.CompositeExplicitAutograd)
 def cond_dense(pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
-    return br.dense(COND, pred, (true_fn, false_fn), operands)
+    return rules.dense(COND, pred, (true_fn, false_fn), operands)
 
 
 @cond_op.py_autograd_impl
 def cond_autograd(pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
-    return br.autograd(COND, pred, (true_fn, false_fn), operands)
+    return rules.autograd(COND, pred, (true_fn, false_fn), operands)
 
 
 @cond_op.py_impl(TransformType.Grad)
 def cond_grad(interpreter: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
-    return br.grad_or_jvp(COND, interpreter, pred, (true_fn, false_fn), operands)
+    return rules.grad_or_jvp(COND, interpreter, pred, (true_fn, false_fn), operands)
 
 
 @cond_op.py_impl(TransformType.Jvp)
 def cond_jvp(interpreter: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
-    return br.grad_or_jvp(COND, interpreter, pred, (true_fn, false_fn), operands)
+    return rules.grad_or_jvp(COND, interpreter, pred, (true_fn, false_fn), operands)
 
 
 @cond_op.py_impl(TransformType.Vmap)
 def cond_vmap(interpreter: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
-    return br.vmap(COND, interpreter, pred, (true_fn, false_fn), operands)
+    return rules.vmap(COND, interpreter, pred, (true_fn, false_fn), operands)
 
 
 @cond_op.py_functionalize_impl
 def cond_functionalize(ctx: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
-    return br.functionalize(COND, ctx, pred, (true_fn, false_fn), operands)
+    return rules.functionalize(COND, ctx, pred, (true_fn, false_fn), operands)
 
 
 @cond_op.py_impl(FakeTensorMode)
 def cond_fake(mode: FakeTensorMode, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
-    return br.fake(COND, mode, pred, (true_fn, false_fn), operands)
+    return rules.fake(COND, mode, pred, (true_fn, false_fn), operands)
 
 
 @cond_op.py_impl(ProxyTorchDispatchMode)
 def cond_proxy(mode: ProxyTorchDispatchMode, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
-    return br.proxy(COND, mode, pred, (true_fn, false_fn), operands)
+    return rules.proxy(COND, mode, pred, (true_fn, false_fn), operands)

@@ -1,6 +1,6 @@
 """``hop.switch`` and its raw op ``torch.ops.hop.switch``: an n-way cond.
 
-Rules are switch's registrations of the shared branching rules (``_branching``),
+Rules are switch's registrations of the shared branching rules (``_branching_rules``),
 in hop's fixed order: dense, autograd, grad / jvp, vmap, functionalize, fake,
 proxy. An index out of range is never clamped: eager raises, traced programs
 carry a runtime assert.
@@ -19,16 +19,11 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _observe, _observe_calls, _reference
 from hop._operator import HigherOrderOperator
-from hop._transforms import (
-    DYNAMO_CALL,
-    functorch_level,
-    is_dynamo_compiling,
-    is_plain_tensor,
-    mode_stack_len,
-    tf_mode_enabled,
-)
+from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling, is_plain_tensor, mode_stack_len
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _branching as br
+from hop.ops import _branching_eager as fast
+from hop.ops import _branching_rules as rules
 from hop.ops import _inline
 from hop.ops._common import refuse_legacy_onnx
 
@@ -79,33 +74,32 @@ def switch(
         if type(r) is _Tensor:
             return r
         if r is not _MISS:
-            return br.finish_ran(SWITCH, tuple(branches), operands, *r)
+            return fast.finish_ran(SWITCH, tuple(branches), operands, *r)
     if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
         return _reference.reference_switch(index, branches, operands)
     if is_dynamo_compiling():  # Note [public functions under Dynamo]
         return switch_op(DYNAMO_CALL, switch, index, branches, operands)
     if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
         return _observe_calls.watch("switch", switch, (index, branches, operands))
+    k = -1  # the branch index gives, once read (read once: a user mode sees one read, as in Python)
     if (
         type(index) is _Tensor
         and type(operands) is tuple
         and type(branches) in _SEQUENCES
         and index.dtype in _INDEX_DTYPES
-        and not mode_stack_len()
-        and functorch_level() is None
-        and not tf_mode_enabled()  # also active whenever torch.export's pre-dispatch tracer is
-    ):  # plain eager: see _branching.eager_fast
+        and in_plain_eager()  # Note [plain eager]
+    ):  # see _branching_eager
         try:
             k = int(index)  # meta or several elements raise: the general path explains
         except (RuntimeError, NotImplementedError, ValueError):
             k = -1
         if 0 <= k < len(branches):
             if len(operands) == 1 and type(operands[0]) is _Tensor:  # the commonest call
-                out = br.eager_one(SWITCH, k, branches, operands[0])
-                if out is not br.MISS:
+                out = fast.eager_one(SWITCH, k, branches, operands[0])
+                if out is not fast.MISS:
                     return out
-            out = br.eager_fast("switch", k, branches, operands)
-            if out is not br.MISS:
+            out = fast.eager_fast("switch", k, branches, operands)
+            if out is not fast.MISS:
                 return out
     if not isinstance(branches, (list, tuple)) or not branches:
         raise HopValueError(
@@ -125,7 +119,8 @@ def switch(
                 )
         br.check_operands("switch", operands)
         return branches[_index(index, len(branches))](*operands)
-    return br.call(SWITCH, index, tuple(branches), operands)
+    taken = k if 0 <= k < len(branches) else None
+    return br.call(SWITCH, index, tuple(branches), operands, taken=taken)
 
 
 def _check_index(index: Any) -> None:
@@ -245,37 +240,37 @@ SWITCH = br.Branching(
 
 @switch_op.py_impl(DispatchKey.CompositeExplicitAutograd)
 def switch_dense(index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
-    return br.dense(SWITCH, index, branches, operands)
+    return rules.dense(SWITCH, index, branches, operands)
 
 
 @switch_op.py_autograd_impl
 def switch_autograd(index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
-    return br.autograd(SWITCH, index, branches, operands)
+    return rules.autograd(SWITCH, index, branches, operands)
 
 
 @switch_op.py_impl(TransformType.Grad)
 def switch_grad(interpreter: Any, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
-    return br.grad_or_jvp(SWITCH, interpreter, index, branches, operands)
+    return rules.grad_or_jvp(SWITCH, interpreter, index, branches, operands)
 
 
 @switch_op.py_impl(TransformType.Jvp)
 def switch_jvp(interpreter: Any, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
-    return br.grad_or_jvp(SWITCH, interpreter, index, branches, operands)
+    return rules.grad_or_jvp(SWITCH, interpreter, index, branches, operands)
 
 
 @switch_op.py_impl(TransformType.Vmap)
 def switch_vmap(interpreter: Any, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
-    return br.vmap(SWITCH, interpreter, index, branches, operands)
+    return rules.vmap(SWITCH, interpreter, index, branches, operands)
 
 
 @switch_op.py_functionalize_impl
 def switch_functionalize(ctx: Any, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
-    return br.functionalize(SWITCH, ctx, index, branches, operands)
+    return rules.functionalize(SWITCH, ctx, index, branches, operands)
 
 
 @switch_op.py_impl(FakeTensorMode)
 def switch_fake(mode: FakeTensorMode, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
-    return br.fake(SWITCH, mode, index, branches, operands)
+    return rules.fake(SWITCH, mode, index, branches, operands)
 
 
 @switch_op.py_impl(ProxyTorchDispatchMode)
@@ -296,4 +291,4 @@ def switch_proxy(mode: ProxyTorchDispatchMode, index: Any, operands: Sequence[An
             ok = (raw >= 0) & (raw < n)
             ok = ok if raw is index else ok.all()  # a batch: every element
             torch._assert_async(ok, f"hop.switch: index out of range for {n} branches")
-    return br.proxy(SWITCH, mode, index, branches, operands)
+    return rules.proxy(SWITCH, mode, index, branches, operands)

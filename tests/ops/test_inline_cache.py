@@ -23,7 +23,7 @@ import torch
 import hop
 from hop import _validation as validation
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError
-from hop.ops import _branching, _inline
+from hop.ops import _branching_eager, _inline
 from hop.ops import cond as cond_module
 from hop.ops import switch as switch_module
 
@@ -51,13 +51,13 @@ def _cos(a: torch.Tensor) -> torch.Tensor:
 def _served_by_cache(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Calls that reach the long-hand Python path (which makes entries) are recorded."""
     seen: list[str] = []
-    real = _branching.eager_one
+    real = _branching_eager.eager_one
 
     def spy(b: Any, *args: Any) -> Any:
         seen.append(b.name)
         return real(b, *args)
 
-    monkeypatch.setattr(_branching, "eager_one", spy)
+    monkeypatch.setattr(_branching_eager, "eager_one", spy)
     return seen
 
 

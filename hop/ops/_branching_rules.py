@@ -1,0 +1,333 @@
+"""The rules cond and switch share, each registered on both raw ops.
+
+dense, autograd, grad / jvp, vmap, functionalize, fake and proxy, in hop's fixed
+order, written once against a :class:`~hop.ops._branching.Branching`; a concrete
+selector runs the chosen branch inline (Note [eager branches run inline] in
+``_branching``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hop import _closures, _effects, _lifting, _observe, _output_checks, _pytree, _tracing, _transforms
+from hop._unbacked import Unifier, assert_ranges, dense_order, recording
+from hop.errors import HopValueError, format_message
+from hop.ops._branching import Branching, Fn, as_tuple, like, no_alias
+from hop.ops._common import check_effects, differentiable, refuse_legacy_onnx, save_operands, saved_operands
+from hop.ops._zero_grads import only_vmap_levels, zero_untaken
+
+_SINKS = _observe.SINKS
+_grad_enabled = torch.is_grad_enabled
+
+
+def dense(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Run the chosen branch; a meta selector runs all and needs them to agree."""
+    if isinstance(sel, torch.Tensor) and sel.is_meta:
+        if any(isinstance(x, torch.Tensor) and not x.is_meta for x in operands):
+            raise _meta_selector(b, operands)
+        return _run_all_and_merge(b, branches, operands, None)
+    return inline(b, sel, branches, operands)
+
+
+def _meta_selector(b: Branching, operands: Sequence[Any]) -> HopValueError:
+    """A meta selector has no value: with real operands no branch can be chosen."""
+    device = next(x.device for x in operands if isinstance(x, torch.Tensor) and not x.is_meta)
+    role = b.selector
+    return HopValueError(
+        format_message(
+            b.name,
+            f"{role} is on the meta device (it has no value) but the operands are on {device}: no branch can be chosen",
+            fix=f"Put {role} on the operands' device, or make every operand a meta tensor for metadata only.",
+        ),
+        op=b.name,
+        role=role,
+    )
+
+
+def _run_all_and_merge(b: Branching, branches: Sequence[Fn], operands: Sequence[Any], shape_env: Any) -> Any:
+    """Run every branch; one output whose differing sizes are unified (see hop._unbacked)."""
+    ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else nullcontext()
+    with ignore:  # symbols made inside the branches are bound in their subgraphs
+        raw = [fn(*operands) for fn in branches]
+    outs = [as_tuple(r) for r in raw]
+    roles = b.roles(len(branches))
+    _output_checks.check_same_outputs(b.name, roles, outs, fns=branches)
+    merged = Unifier(b.name, roles, shape_env).outputs(outs)
+    return like(raw[0], _effects.clone_aliases(list(merged), operands))
+
+
+def inline(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Note [eager branches run inline]: run the chosen branch at the current level."""
+    if isinstance(sel, torch.Tensor):  # Note [the legacy ONNX exporter]
+        refuse_legacy_onnx(b.name, f"which branch runs depends on {b.selector}, a tensor")
+    k = b.index(sel, len(branches))
+    if _SINKS:
+        _observe.note(b.name, branch=k)
+    return no_alias(branches[k](*operands), operands)
+
+
+def autograd(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Concrete selector: inline (Note [untaken branches get zero gradients] outside
+    torch.func transforms, which give unused inputs zeros themselves). Otherwise one
+    node whose backward / jvp are the op again."""
+    if _transforms.is_concrete(sel):
+        out = inline(b, sel, branches, operands)
+        if _grad_enabled() and _transforms.functorch_level() is None:
+            out = zero_untaken(out, branches, _pytree.flatten(tuple(operands))[0])
+        return out
+    return _as_node(b, sel, branches, operands)
+
+
+def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int, name: str) -> Fn:
+    """``(*operands, *cotangents) -> grads of the differentiable operands``."""
+    diff = [i for i, x in enumerate(operands) if differentiable(x)]
+
+    def vjp_branch(*args: Any) -> Any:
+        primals, cts = list(args[:n]), args[n:]
+        kept: list[int] = []  # the differentiable outputs: vjp refuses integer ones
+
+        def on_diff(*d: Any) -> Any:
+            out = as_tuple(fn(*_transforms.place(primals, diff, d)))
+            kept[:] = [i for i, o in enumerate(out) if differentiable(o)]
+            return tuple(out[i] for i in kept) or (torch.zeros(()),)
+
+        with _transforms.torch_ops_without_rules(name, "a branch"):
+            out, vjp_fn = torch.func.vjp(on_diff, *[primals[i] for i in diff])[:2]
+            cts = tuple(cts[i] for i in kept) or (None,)
+            grads = vjp_fn(tuple(ct if ct is not None else torch.zeros_like(o) for o, ct in zip(out, cts, strict=True)))
+        return grads[0] if len(grads) == 1 else tuple(grads)
+
+    vjp_branch.__qualname__ = f"vjp_{getattr(fn, '__qualname__', 'branch')}"
+    return vjp_branch
+
+
+def _jvp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
+    """``(*operands, *tangents of the differentiable operands) -> (*outputs, *output tangents)``."""
+    diff = [i for i, x in enumerate(operands) if differentiable(x)]
+
+    def jvp_branch(*args: Any) -> Any:
+        primals, tangents = list(args[:n]), args[n:]
+
+        def on_diff(*d: Any) -> Any:
+            return as_tuple(fn(*_transforms.place(primals, diff, d)))
+
+        out, tout = _transforms.jvp(on_diff, [primals[i] for i in diff], tangents)
+        return (*out, *tout)
+
+    jvp_branch.__qualname__ = f"jvp_{getattr(fn, '__qualname__', 'branch')}"
+    return jvp_branch
+
+
+class _BranchFunction(torch.autograd.Function):
+    """cond/switch as one autograd node: backward and jvp are cond/switch of the branches' vjp/jvp."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(b: Branching, sel: Any, branches: tuple[Fn, ...], *operands: Any) -> Any:
+        return b.call(sel, branches, operands)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        b, sel, branches, *operands = inputs
+        ctx.b, ctx.branches, ctx.n = b, branches, len(operands)
+        ctx.single = not isinstance(output, tuple)
+        save_operands(ctx, (sel, *operands))
+
+    @staticmethod
+    def _inputs(ctx: Any) -> tuple[Any, list[Any]]:
+        sel, *operands = saved_operands(ctx)
+        return sel, operands
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        sel, operands = _BranchFunction._inputs(ctx)
+        bw = [_vjp_branch(fn, operands, ctx.n, ctx.b.name) for fn in ctx.branches]
+        out = as_tuple(ctx.b.call(sel, bw, (*operands, *grads)))
+        it = iter(out)
+        return (None, None, None, *[next(it) if differentiable(x) else None for x in operands])
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        sel, operands = _BranchFunction._inputs(ctx)
+        diff_t = [
+            torch.zeros_like(x) if t is None else t
+            for x, t in zip(operands, tangents[3:], strict=True)
+            if differentiable(x)
+        ]
+        fw = [_jvp_branch(fn, operands, ctx.n) for fn in ctx.branches]
+        out = as_tuple(ctx.b.call(sel, fw, (*operands, *diff_t)))
+        touts = out[len(out) // 2 :]
+        return touts[0] if ctx.single else tuple(touts)
+
+
+def _as_node(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any], level: int | None = None) -> Any:
+    """One autograd node; tensors the branches read from their closures and that need
+    grad become inputs too (Note [closure conversion] in hop._closures)."""
+    branches, captured = _closures.convert_closures(branches, operands, level)
+    operands = (*operands, *captured)
+    return _BranchFunction.apply(b, sel, tuple(branches), *operands)  # type: ignore[no-untyped-call]
+
+
+def grad_or_jvp(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """torch.func.grad / jvp: inline for a concrete selector, else the autograd node."""
+    if _transforms.is_concrete(sel):
+        return inline(b, sel, branches, operands)
+    return _as_node(b, sel, branches, operands, interpreter.level())
+
+
+def vmap(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Batched selector: every branch runs on the batch, outputs selected by torch.where.
+    Unbatched: inline when concrete, else the op one level down on vmapped branches."""
+    level = interpreter.level()
+    (sel_u,), (sel_dim,) = _transforms.unwrap_batched([sel], level)
+    if sel_dim is not None:
+        return _select_batched(b, sel, branches, operands)
+    if _transforms.is_concrete(sel):
+        out = inline(b, sel, branches, operands)
+        if _grad_enabled() and only_vmap_levels():  # Note [untaken branches get zero gradients]
+            out = zero_untaken(out, branches, _pytree.flatten(tuple(operands))[0])
+        return out
+    unwrapped, dims = _transforms.unwrap_batched(operands, level)
+    if all(d is None for d in dims):
+        with interpreter.lower():
+            return b.call(sel_u, branches, unwrapped)
+    batched = [torch.vmap(fn, in_dims=tuple(dims), randomness=interpreter.randomness()) for fn in branches]
+    with interpreter.lower():
+        out = b.call(sel_u, batched, unwrapped)
+    return like(out, _transforms.add_batch_dims(as_tuple(out), level))
+
+
+def _select_batched(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Every branch on the whole batch, each on its own copy of the operands; outputs
+    and in-place updates of operands are selected per element by the masks."""
+    n = len(branches)
+    masks = [m.reshape(()) for m in b.masks(sel, n)]
+    copies = [[x.clone() if isinstance(x, torch.Tensor) else x for x in operands] for _ in branches]
+    versions = [[_version(x) for x in c] for c in copies]
+    raw = [fn(*c) for fn, c in zip(branches, copies, strict=True)]
+    for i, x in enumerate(operands):
+        written = [k for k in range(n) if _version(copies[k][i]) != versions[k][i]]
+        if written:
+            x.copy_(_where_chain(masks, [copies[k][i] if k in written else x for k in range(n)]))
+    outs = [as_tuple(r) for r in raw]
+    roles = b.roles(n)
+    selected = []
+    for i, col in enumerate(zip(*outs, strict=True)):
+        if not isinstance(col[0], torch.Tensor):
+            if any(v != col[0] for v in col):
+                raise _batched_mismatch(b, roles, i, col)
+            selected.append(col[0])
+        elif any(c.shape != col[0].shape for c in col):
+            raise _batched_mismatch(b, roles, i, col)
+        else:
+            selected.append(_where_chain(masks, col))
+    return like(raw[0], selected)
+
+
+def _version(x: Any) -> int:
+    """The version counter of the tensor under every functorch wrapper (wrappers keep 0)."""
+    if not isinstance(x, torch.Tensor):
+        return 0
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return int(x._version)
+
+
+def _where_chain(masks: Sequence[Any], values: Sequence[Any]) -> Any:
+    """``values[k]`` where ``masks[k]`` holds (the masks partition the batch)."""
+    acc = values[-1]
+    for k in range(len(values) - 2, -1, -1):
+        acc = torch.where(masks[k], values[k], acc)
+    return acc
+
+
+def _batched_mismatch(b: Branching, roles: Sequence[str], i: int, col: Sequence[Any]) -> HopValueError:
+    shapes = " vs ".join(str(tuple(c.shape)) if isinstance(c, torch.Tensor) else repr(c) for c in col)
+    return HopValueError(
+        format_message(
+            b.name,
+            f"under vmap with a batched selector every branch runs on the batch and the outputs are selected "
+            f"element-wise, so {', '.join(roles)} must return equal sizes at output[{i}]: {shapes}",
+            fix="Make the branches return the same sizes, or keep the selector unbatched.",
+        ),
+        op=b.name,
+        path=f"output[{i}]",
+    )
+
+
+def functionalize(b: Branching, ctx: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Functionalize each branch and call the op on the unwrapped operands."""
+    sel_u = ctx.unwrap_tensors(sel) if isinstance(sel, torch.Tensor) else sel
+    unwrapped = ctx.unwrap_tensors(list(operands))
+    with ctx.redispatch_to_next():
+        bodies = [
+            _effects.functionalize_body(ctx, fn, b.name, role)
+            for fn, role in zip(branches, b.roles(len(branches)), strict=True)
+        ]
+        out = b.call(sel_u, bodies, unwrapped)
+    return ctx.wrap_tensors(out)
+
+
+def fake(b: Branching, mode: FakeTensorMode, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Output metadata: run every branch on fake tensors and unify what differs."""
+    with mode:
+        if type(sel) in (bool, int):
+            return dense(b, sel, branches, operands)
+        return _run_all_and_merge(b, branches, operands, mode.shape_env)
+
+
+def proxy(b: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+    """Trace every branch (lifting what it closes over) and record one node."""
+    graphs, lifted = _lifting.trace_branches(branches, operands)
+    roles = b.roles(len(branches))
+    for role, fn, gm in zip(roles, branches, graphs, strict=True):
+        check_effects(
+            b.name,
+            role,
+            fn,
+            gm,
+            what="operand",
+            updates="operands",
+            fix="Return the updated value from the branch instead of writing the operand.",
+        )
+    all_operands = (*operands, *lifted)
+    with recording() as fresh:
+        out = b.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
+    for gm in graphs:
+        _match_layout(gm, as_tuple(out))
+    result = _tracing.emit(mode, b.op, b.node_args(sel, graphs, all_operands), out)
+    assert_ranges(mode, b.name, result, fresh)
+    return result
+
+
+def _match_layout(gm: torch.fx.GraphModule, merged: Sequence[Any]) -> None:
+    """Make a branch graph return contiguous tensors where the unified output claims
+    contiguity but the branch is laid out otherwise (hop._unbacked.Unifier): code
+    traced after the op relies on the claimed strides (a reshape becomes a view)."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(as_tuple(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],))
+    changed = False
+    for i, (node, claim) in enumerate(zip(flat, merged, strict=True)):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(claim, torch.Tensor):
+            continue
+        order = dense_order(claim)
+        if order != tuple(range(claim.dim())) or dense_order(val) == order:
+            continue
+        with gm.graph.inserting_before(out_node):
+            flat[i] = gm.graph.call_function(
+                torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format}
+            )
+        flat[i].meta["val"] = val.clone(memory_format=torch.contiguous_format)
+        changed = True
+    if changed:
+        single = not isinstance(out_node.args[0], (tuple, list))
+        out_node.args = (flat[0] if single else tuple(flat),)
+        gm.recompile()
