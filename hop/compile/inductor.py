@@ -93,6 +93,9 @@ def _register(lowering: ModuleType) -> None:
     torch_while = lowering.lowerings[torch.ops.higher_order.while_loop]
     lowering.register_lowering(cond_op, type_promotion_kind=None)(functools.partial(_lower_cond, torch_cond))
     lowering.register_lowering(while_loop_op, type_promotion_kind=None)(functools.partial(_lower_while, torch_while))
+    lowering.register_lowering(torch.ops.higher_order.while_loop, type_promotion_kind=None)(
+        functools.partial(_lower_torch_while, torch_while)
+    )
     for op in rw.REWRITES:
         lowering.register_lowering(op, type_promotion_kind=None)(_not_rewritten(op.name()))
     _install_pass()  # again: a pass set since the config loaded goes after hop's
@@ -192,6 +195,29 @@ def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: An
     with _own_buffers():
         out = torch_while(cond_fn, body_fn, carried_inputs, additional_inputs)
     return out[0] if len(carried_inputs) == 1 else out
+
+
+# Note [a loop's mutated carries are never reused]
+# hop's rewrites of scan, map and associative_scan write their stacked outputs into
+# buffers carried by torch's while_loop, in place. Inductor's lowering then names a
+# MutationOutput per such carry, which the C++ wrapper declares as the loop's output
+# before the loop, and which nothing reads afterwards: its memory planner takes it
+# as free, and a later buffer of the same layout "reuses" it by declaring it again.
+# The AOTInductor package then fails to compile (``redeclaration of buf5``). Such a
+# buffer is never offered for reuse: no value changes, a later buffer allocates.
+
+
+def _lower_torch_while(torch_while: Fn, *args: Any, **kwargs: Any) -> Any:
+    """Note [a loop's mutated carries are never reused]."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    known = len(V.graph.buffers)
+    out = torch_while(*args, **kwargs)
+    for buffer in V.graph.buffers[known:]:
+        if isinstance(buffer, ir.MutationOutput):
+            V.graph.never_reuse_buffers.add(buffer.get_name())
+    return out
 
 
 def _inline_constant_inputs(

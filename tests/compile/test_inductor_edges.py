@@ -13,7 +13,7 @@ import torch
 import hop
 from hop.compile._torch_api import VERSION
 from hop.errors import CompileUnsupported
-from hop.testing import CheckFailure, check
+from hop.testing import check
 
 
 def _scans(xs: torch.Tensor) -> Any:
@@ -263,12 +263,5 @@ def _scan_then_combine(x: torch.Tensor) -> Any:
     return (ys + carry.unsqueeze(-1),)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckFailure,
-    reason="open (issue 21, found by the compiled fuzzer's long profile): the AOTInductor package of a scan "
-    "whose final carry and stacked outputs are combined after it fails to build (the C++ wrapper declares a "
-    "buffer handle twice); a loud error, never a wrong value",
-)
 def test_aoti_of_a_scan_whose_outputs_are_combined() -> None:
     check(_scan_then_combine, torch.tensor([1.5, 2.0, -1e-5]), transforms=("eager", "aoti"))
