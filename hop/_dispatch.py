@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import (
 
 from hop import _observe, _records
 from hop._closures import closure_tensors
-from hop._transforms import is_user_mode, nothing_active
+from hop._transforms import callers_rewrites, is_user_mode, nothing_active, rewrites_reentered
 from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
 
 __all__ = ["Operator", "call", "dispatch", "tensors_in", "map_tensors"]
@@ -188,7 +188,8 @@ def call(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensors = tensors_in((args, kwargs))
     if torch.overrides.has_torch_function(tensors):
         _record(op, "TorchFunction", "torch-function")
-        return torch.overrides.handle_torch_function(cast(Any, op), tensors, *args, **kwargs)
+        with callers_rewrites():
+            return torch.overrides.handle_torch_function(cast(Any, op), tensors, *args, **kwargs)
     return dispatch(op, _highest_key(op, tensors), args, kwargs)
 
 
@@ -265,7 +266,7 @@ def _pre_dispatch(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         if handler is None:
             raise _unsupported_mode(op, mode)
         _record(op, _K.PreDispatch, "mode", handler, type(mode).__name__)
-        with _pop_mode_temporarily(_K.PreDispatch) as popped:
+        with _pop_mode_temporarily(_K.PreDispatch) as popped, rewrites_reentered():
             return handler(popped, *args, **kwargs)
     with torch._C._ExcludeDispatchKeyGuard(DispatchKeySet(_K.PreDispatch)):
         return redispatch(op, args, kwargs)
@@ -323,7 +324,7 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         handler = _lookup(op.python_key_table, type(mode))
         if handler is not None:
             _record(op, _K.Python, "mode", handler, type(mode).__name__)
-            with _pop_mode_temporarily() as popped:
+            with _pop_mode_temporarily() as popped, rewrites_reentered():
                 result = handler(popped, *args, **kwargs)
             if result is not NotImplemented:
                 return result
@@ -361,7 +362,8 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 op=op.name(),
             )
         _record(op, _K.Python, "subclass", handler, cls.__qualname__)
-        result = handler(*call_args, **kwargs)
+        with rewrites_reentered():
+            result = handler(*call_args, **kwargs)
         if result is not NotImplemented:
             return result
     raise _all_not_implemented(op, mode, seen)

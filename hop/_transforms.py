@@ -21,6 +21,8 @@ __all__ = [
     "only_user_modes",
     "only_user_function_modes",
     "is_default_device",
+    "callers_rewrites",
+    "rewrites_reentered",
     "note_rule_for",
     "is_real",
     "is_concrete",
@@ -138,6 +140,63 @@ def only_user_function_modes() -> bool:
     """Every torch-function mode on the stack is a user mode (Note [user modes])."""
     stack_at = torch._C._get_function_stack_at
     return all(is_user_function_mode(stack_at(i)) for i in range(torch._C._len_torch_function_stack()))
+
+
+# Note [rewriting torch-function modes]
+# torch.export's non-strict tracer rewrites Python that its dispatch-level tracing
+# cannot see (``w[k]`` with a SymInt ``k`` becomes ``w.select(0, k)``, torch.tensor
+# of SymInts its Python twin) with a torch-function mode. A hop call reaches that mode
+# as one torch function, and torch pops the mode while it handles the call: the
+# callables hop traces below would run without it, and ``w[k]`` in a loop body
+# would fail where the same line outside hop traces. The dispatcher notes such a
+# mode when a hop call passes through it (:func:`callers_rewrites`), and the tracing
+# rules run with it active again (:func:`rewrites_reentered`), so a body sees the
+# rewrites its caller's code sees. Only stateless rewriting modes are so treated:
+# a tracer's own torch-function modes record into the caller's graph.
+
+_REWRITING_MODES = ("torch._export.non_strict_utils._NonStrictTorchFunctionHandler",)
+_CALLERS_REWRITES: list[Any] = []  # the rewriting mode of each hop call being handled, innermost last
+
+
+def _is_rewriting(mode: Any) -> bool:
+    cls = type(mode)
+    return f"{cls.__module__}.{cls.__qualname__}" in _REWRITING_MODES
+
+
+@contextmanager
+def callers_rewrites() -> Iterator[None]:
+    """Note [rewriting torch-function modes]: while a hop call is handled by the
+    torch-function modes on the stack, remember the rewriting one among them."""
+    stack_at = torch._C._get_function_stack_at
+    found = [m for m in map(stack_at, range(torch._C._len_torch_function_stack())) if _is_rewriting(m)]
+    if not found:
+        yield
+        return
+    _CALLERS_REWRITES.append(found[-1])
+    try:
+        yield
+    finally:
+        _CALLERS_REWRITES.pop()
+
+
+@contextmanager
+def rewrites_reentered() -> Iterator[None]:
+    """Note [rewriting torch-function modes]: the caller's rewriting mode active again,
+    if torch popped it to handle this call."""
+    if not _CALLERS_REWRITES:
+        yield
+        return
+    mode = _CALLERS_REWRITES[-1]
+    stack_at = torch._C._get_function_stack_at
+    if any(stack_at(i) is mode for i in range(torch._C._len_torch_function_stack())):
+        yield
+        return
+    torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        popped = torch._C._pop_torch_function_stack()
+        assert popped is mode, "a torch-function mode pushed inside a hop rule was left on the stack"
 
 
 def is_real(x: Any) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from matrix import check_aoti, check_compile, check_compile_grad, check_export
 from torch.export import Dim
@@ -33,7 +32,7 @@ class EarlyExit(torch.nn.Module):
         self.head = torch.nn.Linear(WIDTH, CLASSES, dtype=torch.float64)
 
     def pick(self, w: torch.Tensor, k: Any) -> torch.Tensor:
-        return w.select(0, k)  # w[k]: see test_weights_indexed_by_the_int_carry_export_non_strict
+        return w.select(0, k)  # IndexedEarlyExit indexes w[k]
 
     def layer(self, k: Any, h: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.layer_norm(h, (WIDTH,))
@@ -124,13 +123,6 @@ class IndexedEarlyExit(EarlyExit):
         return w[k]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="open (issue 21): non-strict export of a loop body indexing a tensor by an int carry (w[k]): "
-    "while_loop's trial run of the body for its int carries' ranges runs outside torch's non-strict "
-    "TorchFunctionMode, which rewrites a SymInt index to select",
-)
 def test_weights_indexed_by_the_int_carry_export_non_strict() -> None:
     model, cases = make()
     indexed = IndexedEarlyExit()
