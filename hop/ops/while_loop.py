@@ -35,7 +35,7 @@ from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, generalize_carries, recording, trial_run
-from hop.errors import HopTypeError, HopValueError, format_message, type_name
+from hop.errors import HopError, HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _checkpoint, _graph_step, _loop_reverse
 from hop.ops._branching import as_tuple, like, no_alias
 from hop.ops._common import (
@@ -501,6 +501,7 @@ def _ints_as_tensors(
     fake_mode.allow_scalar_outputs = True  # for .item(): AOTAutograd's fake mode under torch.compile forbids it
     ints_in_cond = _reads_symints(cond_fn, carried, additional, slots, fake_mode)
     if not _reads_symints(body_fn, carried, additional, slots, fake_mode):
+        _check_kinds_on_ints(body_fn, carried, additional, fake_mode)
         body_fn = functools.partial(body_on_tensors, tuple(slots), body_fn)
 
     def cond_t(*args: Any) -> Any:
@@ -564,6 +565,23 @@ def _reads_symints(
         except Exception:  # any other mistake is reported by the real trace
             return True
     return True
+
+
+def _check_kinds_on_ints(fn: Fn, carried: Sequence[Any], additional: Sequence[Any], fake_mode: FakeTensorMode) -> None:
+    """Note [int carries in a traced condition]: a body given its int carries as
+    tensors returns tensors for them, so what it returns on real ints is checked
+    first, as eager checks it: a tensor returned for an int carry is refused."""
+    shape_env = fake_mode.shape_env
+    assert shape_env is not None
+    with fake_mode, shape_env.ignore_fresh_unbacked_symbols(), trial_run():
+        try:
+            out = as_tuple(fn(*carried, *additional))
+        except HopError:
+            raise
+        except Exception:  # any other mistake is reported by the real trace
+            return
+    roles = ("carried_inputs", "body_fn")
+    _subgraph.check_same_outputs(_NAME, roles, (tuple(carried), out), root="carry", fns=(None, fn))
 
 
 _DERIVED = "the range derived from the initial value and body_fn"

@@ -827,6 +827,25 @@ def test_an_int_carry_meets_a_tensor_in_the_body(how: str, mixed: str) -> None:
         torch.testing.assert_close(got[1:], want[1:])
 
 
+class _TensorForInt(torch.nn.Module):
+    """body_fn returns a tensor where the carry is an int (``torch.tensor(t + 1)``)."""
+
+    def forward(self, h: torch.Tensor) -> Any:
+        return hop.while_loop(lambda t, h: t < 3, lambda t, h: (torch.tensor(t + 1), h + 1), (0, h))
+
+
+@pytest.mark.parametrize("how", ["eager", "make_fx", "export", "strict export", "aot_eager"])
+def test_a_tensor_returned_for_an_int_carry_is_refused_everywhere(how: str) -> None:
+    # eager refused it; a trace gave the body its int carries as tensors (the fallback
+    # for a body that mixes them with tensors) and took the tensor back with .item()
+    model, example = _TensorForInt(), torch.zeros(3)
+    with pytest.raises(OutputMismatchError, match=r"carry\[0\]: int vs Tensor"):
+        if how == "eager":
+            model(example)
+        else:
+            _traced(model, example, how)(example)
+
+
 class _IntFirst(torch.nn.Module):
     """The int's comparison first: ``SymBool & Tensor`` runs ``bitwise_and.Scalar``."""
 
