@@ -193,30 +193,47 @@ def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: An
     carried_inputs = _traced_strides(carried_inputs, node.args[2])
     additional_inputs = _traced_strides(additional_inputs, node.args[3])
     with _own_buffers():
-        out = torch_while(cond_fn, body_fn, carried_inputs, additional_inputs)
+        out = _lower_torch_while(torch_while, cond_fn, body_fn, carried_inputs, additional_inputs)
     return out[0] if len(carried_inputs) == 1 else out
 
 
-# Note [a loop's mutated carries are never reused]
-# hop's rewrites of scan, map and associative_scan write their stacked outputs into
-# buffers carried by torch's while_loop, in place. Inductor's lowering then names a
-# MutationOutput per such carry, which the C++ wrapper declares as the loop's output
-# before the loop, and which nothing reads afterwards: its memory planner takes it
-# as free, and a later buffer of the same layout "reuses" it by declaring it again.
-# The AOTInductor package then fails to compile (``redeclaration of buf5``). Such a
-# buffer is never offered for reuse: no value changes, a later buffer allocates.
+# Note [a loop's buffers are never reused]
+# Two traps of the C++ wrapper's while loop (AOTInductor, cpp_wrapper=True), whose
+# memory planner knows less than the loop's code does:
+# - A loop that runs no step returns its carried inputs themselves (the Python
+#   wrapper clones them; the C++ one hands out the same storage). The planner takes
+#   a carried input as dead after the loop and lets a later kernel write into it,
+#   in place or as a "reused" buffer: the loop's output then holds that kernel's
+#   values, silently (a zero-trip fori_loop returned another output's value).
+# - hop's rewrites of scan, map and associative_scan write their stacked outputs
+#   into carried buffers, in place. Inductor names a MutationOutput per such carry,
+#   which the C++ wrapper declares before the loop and nothing reads afterwards: a
+#   later buffer of the same layout "reuses" it by declaring it again, and the
+#   package fails to compile (``redeclaration of buf5``).
+# So a loop's carried inputs, its outputs and its mutation outputs are never offered
+# for reuse: a later buffer allocates its own memory. No value changes.
 
 
 def _lower_torch_while(torch_while: Fn, *args: Any, **kwargs: Any) -> Any:
-    """Note [a loop's mutated carries are never reused]."""
+    """Note [a loop's buffers are never reused]."""
     from torch._inductor import ir
     from torch._inductor.virtualized import V
 
-    known = len(V.graph.buffers)
+    known_buffers, known_operations = len(V.graph.buffers), len(V.graph.operations)
     out = torch_while(*args, **kwargs)
-    for buffer in V.graph.buffers[known:]:
+    never = V.graph.never_reuse_buffers
+    for buffer in V.graph.buffers[known_buffers:]:
         if isinstance(buffer, ir.MutationOutput):
-            V.graph.never_reuse_buffers.add(buffer.get_name())
+            never.add(buffer.get_name())
+    for operation in V.graph.operations[known_operations:]:
+        if isinstance(operation, ir.WhileLoop):
+            loop_values: list[Any] = [*(operation.carried_inputs or ()), *(operation.outputs or ())]
+            for value in loop_values:
+                if isinstance(value, ir.IRNode):
+                    never.add(value.get_name())
+    for value in out if isinstance(out, (list, tuple)) else (out,):
+        if isinstance(value, ir.IRNode):
+            never.add(value.get_name())
     return out
 
 

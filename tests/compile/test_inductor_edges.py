@@ -265,3 +265,35 @@ def _scan_then_combine(x: torch.Tensor) -> Any:
 
 def test_aoti_of_a_scan_whose_outputs_are_combined() -> None:
     check(_scan_then_combine, torch.tensor([1.5, 2.0, -1e-5]), transforms=("eager", "aoti"))
+
+
+def _zero_trips_fori(x: torch.Tensor, y: torch.Tensor) -> Any:
+    a = hop.fori_loop(0, (y.sum() > 100).long(), lambda i, c: c * 0.5 + i, x.sin())
+    return a, y.cos() * 2
+
+
+def _zero_trips_while(x: torch.Tensor, y: torch.Tensor) -> Any:
+    _, a = hop.while_loop(lambda k, c: (k < 3) & (c.sum() > 100), lambda k, c: (k + 1, c * 0.5), (0, x.sin()))
+    return a, y.cos() * 2, x.sin() + 1
+
+
+@pytest.mark.parametrize("fn", [_zero_trips_fori, _zero_trips_while], ids=["fori_loop", "while_loop"])
+def test_aoti_of_a_loop_that_runs_no_step(fn: Any) -> None:
+    # the C++ wrapper's loop returned the storage of its carried input, which the
+    # memory planner then gave to the kernel after it: y.cos() * 2, silently
+    check(fn, torch.randn(3), torch.randn(3), transforms=("eager", "aoti"))
+
+
+def _reversed(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1)[torch.arange(t.numel() - 1, -1, -1)].reshape(t.shape)
+
+
+def _switch_of_a_reversal(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return hop.switch((y.sum() > 0).long(), [lambda a: _reversed(a * x), lambda a: a], (y,)) * x
+
+
+def test_a_rewritten_branch_output_whose_size_is_spelled_otherwise() -> None:
+    # found by the compiled fuzzer's long profile: under dynamic shapes the reversal's
+    # last size is traced as (s**2)//s, and torch's cond (which hop's switch is rewritten
+    # to) failed to merge the branches' strides ("not a simple accumulative multiplication")
+    check(_switch_of_a_reversal, torch.randn(4, 2, 2), torch.randn(4, 2, 2), transforms=("eager", "compile_inductor"))
