@@ -149,16 +149,70 @@ def _refuse_resized(name: str, node: torch.fx.Node, what: str, fix: str) -> None
         raise CompileUnsupported(format_message(name, what, fix=fix), op=name)
 
 
-def _tensor_outputs(fn: Fn) -> Fn:
-    """``fn`` with its int outputs as 0-dim int64 tensors (Note [int outputs of branches])."""
+def _tensor_outputs(fn: Fn, name: str, node: torch.fx.Node, inputs: Sequence[Any]) -> Fn:
+    """``fn`` with its int outputs as 0-dim int64 tensors (Note [int outputs of branches])
+    and its tensor outputs laid out as the node's (Note [branch outputs as the node's])."""
+    metas = _outputs(node)
 
     def wrapped(*args: Any) -> tuple[Any, ...]:
         return tuple(
-            v if isinstance(v, torch.Tensor) else torch.full((), v, dtype=torch.int64, device="cpu")
-            for v in _as_tuple(fn(*args))
+            _as_traced(name, v, meta, inputs)
+            if isinstance(v, torch.Tensor)
+            else torch.full((), v, dtype=torch.int64, device="cpu")
+            for v, meta in zip(_as_tuple(fn(*args)), metas, strict=True)
         )
 
     return wrapped
+
+
+# Note [branch outputs as the node's]
+# A branch graph retraced here may give an output a size that equals a plain size
+# but is spelled otherwise ((s**2)//s for s: a reshape to a shape read from a tensor
+# that was itself reshaped), in the node's meta too. torch's cond merges the
+# branches' strides by matching their expressions, and fails on such a spelling
+# ("output stride is not a simple accumulative multiplication of sizes"). A dense
+# output is given the plain spelling: each such size is replaced by an input's size
+# the shape environment knows it equals, and an output spelled otherwise is copied
+# into a contiguous buffer of those sizes.
+
+
+def _as_traced(name: str, value: torch.Tensor, meta: Any, inputs: Sequence[Any]) -> torch.Tensor:
+    """Note [branch outputs as the node's]."""
+    from torch.fx.experimental import proxy_tensor
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not isinstance(meta, torch.Tensor) or value.dim() != meta.dim():
+        return value
+    plain = list(plain_symbols(inputs).values())
+
+    def simplest(size: Any) -> Any:
+        if not isinstance(size, torch.SymInt) or size.node.expr.is_Symbol:
+            return size
+        return next((p for p in plain if statically_known_true(size == p)), size)
+
+    # decided on the meta's values, which the rewrite's tracer does not know
+    with proxy_tensor.disable_proxy_modes_tracing():
+        sizes = [simplest(d) for d in meta.shape]
+        strides: list[Any] = []
+        expected: Any = 1
+        for size in reversed(sizes):
+            strides.insert(0, expected)
+            expected = expected * size
+        dense = all(
+            statically_known_true(d == 1) or statically_known_true(st == want)
+            for d, st, want in zip(meta.shape, meta.stride(), strides, strict=True)
+        )
+
+    def spelled(values: Sequence[Any]) -> list[Any]:
+        return [v.node.expr if isinstance(v, torch.SymInt) else v for v in values]
+
+    if not dense or (spelled(value.shape) == spelled(sizes) and spelled(value.stride()) == spelled(strides)):
+        return value
+    try:
+        target = _sizes(name, sizes, inputs)
+    except HopValueError:  # a size no input holds (data-dependent): torch's lowering decides
+        return value
+    return torch.empty(target, dtype=value.dtype, device=value.device).copy_(value)
 
 
 def _int_outputs(name: str, node: torch.fx.Node, out: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
@@ -189,7 +243,8 @@ def rewrite_cond(
         'Return such an int as a 0-dim tensor (torch.tensor(n)), or compile with backend="aot_eager".',
     )
     operands, (true_fn, false_fn) = _drop_nones(operands, (true_fn, false_fn))
-    out = torch.ops.higher_order.cond(pred, _tensor_outputs(true_fn), _tensor_outputs(false_fn), operands)
+    branches = (_tensor_outputs(fn, "cond", node, inputs) for fn in (true_fn, false_fn))
+    out = torch.ops.higher_order.cond(pred, *branches, operands)
     return _like_node(node, _int_outputs("cond", node, out, inputs))
 
 
@@ -210,7 +265,7 @@ def rewrite_switch(
         _check(index >= 0)
         _check(index < n)
     operands, kept = _drop_nones(operands, branches)
-    wrapped = [_tensor_outputs(b) for b in kept]
+    wrapped = [_tensor_outputs(b, "switch", node, inputs) for b in kept]
     flat = [lambda i, *ops, b=b: b(*ops) for b in wrapped]
 
     def pick(k: int, i: Any, *ops: Any) -> Any:
