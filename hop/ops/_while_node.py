@@ -122,7 +122,7 @@ CHECKPOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("hop_while_loo
 
 @contextlib.contextmanager
 def checkpointing(checkpoint: bool) -> Iterator[None]:
-    """Note the while_loop() call's checkpoint flag for the node its raw op reaches."""
+    """Set CHECKPOINT for the autograd node this while_loop() call's raw op reaches."""
     token = CHECKPOINT.set(checkpoint)
     try:
         yield
