@@ -34,7 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hop
-from hop import _operator, _reference, _unbacked, _validation, debug
+from hop import _fake_run, _operator, _reference, _unbacked, debug
 from hop.errors import (
     HopError,
     HopRuntimeError,
@@ -612,7 +612,7 @@ def _state() -> dict[str, object]:
         "autocast cache": torch.is_autocast_cache_enabled(),
         "hop reference threads": _reference.ACTIVE,
         "hop reference here": _reference.here(),
-        "hop validation depth": getattr(getattr(_validation, "_LOCAL", None), "depth", 0),
+        "hop validation depth": getattr(_fake_run._LOCAL, "depth", 0),
         "hop unbacked recording": len(_unbacked._RECORDING),
         "hop debug sinks": len(debug.SINKS),
     }

@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 import hop
-from hop import _validation
+from hop import _fake_run
 
 
 @pytest.fixture(autouse=True)
@@ -175,7 +175,7 @@ def test_nothing_leaks_after_validation() -> None:
     assert not torch._C._is_torch_function_mode_enabled()
     assert torch.is_autocast_cache_enabled()
     assert torch._C._get_tracing_state() is None
-    assert getattr(_validation._LOCAL, "depth", 0) == 0
+    assert getattr(_fake_run._LOCAL, "depth", 0) == 0
     assert not torch.nn.modules.module._global_forward_pre_hooks
 
 

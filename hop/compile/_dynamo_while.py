@@ -52,7 +52,7 @@ from hop.compile._dynamo_values import (
     unflatten,
 )
 from hop.errors import HopTypeError, format_message, type_name
-from hop.ops import _checkpoint
+from hop.ops import _checkpoint, _while_checks, _while_ints
 from hop.ops import fori_loop as fori_module
 from hop.ops import while_loop as while_module
 
@@ -92,7 +92,7 @@ class WhileLoopVariable(HopVariable):
         checkpoint = params["checkpoint"]
         fns = (callable_stand_in(tx, cond_fn), callable_stand_in(tx, body_fn))
         listed = isinstance(carried, BaseListVariable)
-        while_module._check_arguments(*fns, example_tree(tx, carried) if listed else shown(carried))
+        _while_checks.check_arguments(*fns, example_tree(tx, carried) if listed else shown(carried))
         _checkpoint.check_flag(example(checkpoint))
         if example(checkpoint):
             raise unsupported(
@@ -160,7 +160,7 @@ class WhileLoopVariable(HopVariable):
         values = [example(leaf) for leaf in leaves]
         py_spec = spec.as_python_constant()
         varying = [set() if isinstance(v, torch.Tensor) else {0} for v in values]
-        on_tensors = False  # Note [int carries in a traced condition] (hop.ops.while_loop)
+        on_tensors = False  # Note [int carries in a traced condition] (hop.ops._while_ints)
         for _ in range(8):  # Note [while_loop carries in Dynamo]
             generic = _generic_carries(tx, values, varying)
             body, on_tensors = self.trace_body(tx, body_fn, generic, spec, additional, on_tensors)
@@ -174,7 +174,7 @@ class WhileLoopVariable(HopVariable):
         _check_inductor_carries(tx, "while_loop" if fns[0] is not None else "fori_loop", values, varying)
         generic = _generic_carries(tx, values, varying)  # fresh values: no fake-tensor memo shared with body_fn
         cond = self.trace_cond(tx, cond_fn, generic, spec, additional)
-        while_module._truth(pytree.tree_unflatten([example(o) for o in cond.outputs], cond.out_spec()), fns[0])
+        _while_checks.truth(pytree.tree_unflatten([example(o) for o in cond.outputs], cond.out_spec()), fns[0])
         bare_single_output(cond.graph, tensors_only=False)
         lifted = share_lifted([cond, body])
         graphs = (install(tx, "hop_while_loop_cond", cond.graph), install(tx, "hop_while_loop_body", body.graph))
@@ -184,7 +184,7 @@ class WhileLoopVariable(HopVariable):
 
     def trace_cond(self, tx: Any, cond_fn: VT, generic: list[VT], spec: VT, additional: list[VT]) -> Subgraph:
         """cond_fn traced on SymInt int carries or, where it cannot be, on 0-dim int64
-        tensors (Note [int carries in a traced condition], hop.ops.while_loop)."""
+        tensors (Note [int carries in a traced condition], hop.ops._while_ints)."""
         slots = tuple(k for k, g in enumerate(generic) if isinstance(example(g), torch.SymInt))
         try:
             with trial_run() if slots else nullcontext():
@@ -201,7 +201,7 @@ class WhileLoopVariable(HopVariable):
     ) -> tuple[Subgraph, bool]:
         """body_fn traced on SymInt int carries or, where it cannot be (or could not be in
         an earlier pass, ``on_tensors``), given them as 0-dim int64 tensors, its int outputs
-        read back with ``.item()`` (Note [int carries in a traced condition], hop.ops.while_loop).
+        read back with ``.item()`` (Note [int carries in a traced condition], hop.ops._while_ints).
         Returns the subgraph and whether it took tensors."""
         slots = tuple(k for k, g in enumerate(generic) if isinstance(example(g), torch.SymInt))
         if not on_tensors:
@@ -211,7 +211,7 @@ class WhileLoopVariable(HopVariable):
                 if not slots or not _data_dependent(e):
                     raise
         partial = SourcelessBuilder.create(tx, functools.partial)
-        on_tensors_fn = SourcelessBuilder.create(tx, while_module.body_on_tensors)
+        on_tensors_fn = SourcelessBuilder.create(tx, _while_ints.body_on_tensors)
         wrapped = partial.call_function(tx, [on_tensors_fn, constant(slots), body_fn], {})
         return self.trace_items(tx, wrapped, generic, spec, additional), True
 

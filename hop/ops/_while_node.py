@@ -1,0 +1,142 @@
+"""A while_loop as one autograd node, and the ``checkpoint=True`` flag that reaches it.
+
+Where the loop cannot run inline (traced carries, or ``checkpoint=True``), the
+autograd, grad and jvp rules make it one node (:func:`as_node`): forward mode is
+a loop over (carry, tangent), reverse mode is Note [reverse mode of a traced loop]
+(``_loop_reverse``). The raw op's signature is torch's and has no checkpoint flag,
+so the public function sets :data:`CHECKPOINT` around its call and the node reads
+it. The raw op is passed in by ``hop.ops.while_loop``, which imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from hop import _transforms
+from hop import subgraph as _subgraph
+from hop.ops import _loop_reverse
+from hop.ops._branching import as_tuple
+from hop.ops._common import differentiable, save_operands, saved_operands
+from hop.ops._loop_checks import leaf_difference
+
+Fn = Callable[..., Any]
+
+
+class _LoopFunction(torch.autograd.Function):
+    """A traced loop as one autograd node: forward mode is a loop over (carry,
+    tangent); reverse mode is Note [reverse mode of a traced loop] (_loop_reverse).
+    Its outputs are ``(trips, *final_carry)``: the backward starts from the trip count.
+    ``op`` is the raw while_loop the derivatives' loops run as."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(op: Any, cond_fn: Fn, body_fn: Fn, n: int, checkpoint: bool, *args: Any) -> Any:
+        return _loop_reverse.count_trips(op, cond_fn, body_fn, args[:n], args[n:])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.op, ctx.cond_fn, ctx.body_fn, ctx.n, ctx.checkpoint = inputs[:5]
+        ctx.args = inputs[5:]
+        ctx.mark_non_differentiable(output[0])
+        ctx.final_shapes = [o.shape if isinstance(o, torch.Tensor) else None for o in output[1:]]
+        # a size the body changes is a fresh unbacked one in the fake rule's final carry
+        ctx.fixed_sizes = all(
+            not isinstance(a, torch.Tensor) or leaf_difference(a, o) is None
+            for a, o in zip(ctx.args[: ctx.n], output[1:], strict=True)
+        )
+        save_operands(ctx, (output[0], *ctx.args))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        trips, *args = saved_operands(ctx)
+        n = ctx.n
+        carried, extra = list(args[:n]), list(args[n:])
+        g_carry = [
+            None if not differentiable(x) else (x.new_zeros(s) if g is None else g)
+            for x, s, g in zip(carried, ctx.final_shapes, grads[1:], strict=True)
+        ]
+        g_c, g_e = _loop_reverse.gradients(
+            ctx.op,
+            ctx.body_fn,
+            carried,
+            extra,
+            trips,
+            g_carry,
+            fixed_sizes=ctx.fixed_sizes,
+            checkpoint=ctx.checkpoint,
+        )
+        return (None, None, None, None, None, *g_c, *g_e)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        n, args = ctx.n, ctx.args
+        carried, extra = args[:n], args[n:]
+        diff = [i for i, x in enumerate(carried) if differentiable(x)]
+        t_carry = [torch.zeros_like(carried[i]) if tangents[5 + i] is None else tangents[5 + i] for i in diff]
+        t_extra = [
+            torch.zeros_like(x) if t is None else t
+            for x, t in zip(extra, tangents[5 + n :], strict=True)
+            if differentiable(x)
+        ]
+        cond_fn, body_fn = ctx.cond_fn, ctx.body_fn
+        k = len(diff)
+
+        def jvp_cond(*a: Any) -> Any:
+            return cond_fn(*a[:n], *a[n + k : n + k + len(extra)])
+
+        def jvp_body(*a: Any) -> tuple[Any, ...]:
+            primal, tan, ex, ex_t = a[:n], a[n : n + k], a[n + k : n + k + len(extra)], a[n + k + len(extra) :]
+            d_extra = [i for i, x in enumerate(ex) if differentiable(x)]
+
+            def on_diff(*d: Any) -> tuple[Any, ...]:
+                full, ext = list(primal), list(ex)
+                for i, v in zip(diff, d[:k], strict=True):
+                    full[i] = v
+                for i, v in zip(d_extra, d[k:], strict=True):
+                    ext[i] = v
+                return as_tuple(body_fn(*full, *ext))
+
+            out, t_out = _transforms.jvp(
+                on_diff, (*[primal[i] for i in diff], *[ex[i] for i in d_extra]), (*tan, *ex_t)
+            )
+            return (*out, *[t_out[i] for i in diff])
+
+        res = as_tuple(ctx.op(jvp_cond, jvp_body, (*carried, *t_carry), (*extra, *t_extra)))
+        t_full = [torch.zeros_like(x) if differentiable(x) else None for x in res[:n]]
+        for j, i in enumerate(diff):
+            t_full[i] = res[n + j]
+        return (None, *t_full)
+
+
+# Whether the loop being called asked for checkpoint=True. Set by while_loop() around
+# the raw op (whose signature is torch's and has no such flag), read by the autograd
+# node the call reaches; every while_loop() call sets its own, nested ones included.
+CHECKPOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("hop_while_loop_checkpoint", default=False)
+
+
+@contextlib.contextmanager
+def checkpointing(checkpoint: bool) -> Iterator[None]:
+    """Set CHECKPOINT for the autograd node this while_loop() call's raw op reaches."""
+    token = CHECKPOINT.set(checkpoint)
+    try:
+        yield
+    finally:
+        CHECKPOINT.reset(token)
+
+
+def as_node(
+    op: Any, cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], level: int | None = None
+) -> Any:
+    """One autograd node for the raw op ``op``; what the functions close over and need
+    grad for becomes additional inputs (Note [closure conversion] in hop._closures)."""
+    (cond_fn, body_fn), captured = _subgraph.convert_closures([cond_fn, body_fn], [*carried, *additional], level)
+    additional = (*additional, *captured)
+    apply: Callable[..., Any] = _LoopFunction.apply
+    out = apply(op, cond_fn, body_fn, len(carried), CHECKPOINT.get(), *carried, *additional)[1:]
+    return out[0] if len(out) == 1 else out
