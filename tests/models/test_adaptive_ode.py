@@ -94,3 +94,20 @@ def test_exported_equals_eager() -> None:
 def test_aoti_package_equals_eager(tmp_path: Path) -> None:
     model, cases = make()
     check_aoti(model, cases[0], cases, tmp_path)
+
+
+def test_vmap_and_jvp_equal_the_python_twin() -> None:
+    # vmap over tolerances: each example takes its own steps and rejections
+    model, cases = make()
+    twin = PythonODE()
+    twin.load_state_dict(model.state_dict())
+    y0s = torch.stack([y0 for y0, _ in cases])
+    tols = torch.stack([tol for _, tol in cases])
+    want = torch.stack([twin(y0, tol) for y0, tol in cases])  # the twin's Python while cannot be vmapped
+    torch.testing.assert_close(torch.vmap(model)(y0s, tols), want)
+    y0, tol = cases[0]
+    tangent = torch.randn_like(y0)
+    torch.testing.assert_close(
+        torch.func.jvp(lambda y: model(y, tol), (y0,), (tangent,)),
+        torch.func.jvp(lambda y: twin(y, tol), (y0,), (tangent,)),
+    )

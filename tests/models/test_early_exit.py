@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from matrix import check_aoti, check_compile, check_compile_grad, check_export
 from torch.export import Dim
 
 import hop
+from hop.errors import HopValueError
 
 LAYERS, WIDTH, CLASSES, THRESHOLD = 4, 8, 3, 0.6
 
@@ -128,3 +130,20 @@ def test_weights_indexed_by_the_int_carry_export_non_strict() -> None:
     indexed = IndexedEarlyExit()
     indexed.load_state_dict(model.state_dict())
     check_export(indexed, cases[0], cases, dynamic_shapes=DYNAMIC, strict_modes=(False,))
+
+
+def test_vmap_and_jvp_equal_the_python_twin() -> None:
+    model, cases = make()
+    twin = PythonEarlyExit()
+    twin.load_state_dict(model.state_dict())
+    # vmap over groups of sequences: each group would exit after its own number of
+    # layers, which one Python int layer counter cannot hold: a clear error
+    groups = torch.stack([case[0][:2, :3] for case in cases])
+    with pytest.raises(HopValueError, match="int carries cannot change"):
+        torch.vmap(model)(groups)
+    (h,) = cases[0]
+    tangent = torch.randn_like(h)
+    got_primal, got_tangent = torch.func.jvp(lambda v: model(v)[:2], (h,), (tangent,))
+    want_primal, want_tangent = torch.func.jvp(lambda v: twin(v)[:2], (h,), (tangent,))
+    torch.testing.assert_close(got_primal, want_primal)
+    torch.testing.assert_close(got_tangent, want_tangent)

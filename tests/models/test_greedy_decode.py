@@ -12,6 +12,7 @@ import torch
 from matrix import check_aoti, check_compile, check_export
 
 import hop
+from hop.errors import HopValueError
 
 EOS, MAX_LEN, VOCAB, HIDDEN = 0, 5, 7, 6
 
@@ -92,3 +93,53 @@ def test_exported_equals_eager() -> None:
 def test_aoti_package_equals_eager(tmp_path: Path) -> None:
     model, cases = make()
     check_aoti(model, cases[0], cases, tmp_path)
+
+
+def test_vmap_and_jvp_equal_the_python_twin() -> None:
+    model, cases = make()
+    twin = PythonDecoder()
+    twin.load_state_dict(model.state_dict())
+    # vmap over batches of prompts: each batch would stop after its own number of
+    # steps, which the Python int step counter cannot hold: a clear error
+    with pytest.raises(HopValueError, match="int carries cannot change"):
+        torch.vmap(model)(*(torch.stack(col) for col in zip(*cases, strict=True)))
+    h, start = cases[1]
+    tangent = torch.randn_like(h)
+    # the tokens are integers (argmax): the decode's tangent is zero, as the twin's
+    got = torch.func.jvp(lambda v: model(v, start)[1].float(), (h,), (tangent,))
+    want = torch.func.jvp(lambda v: twin(v, start)[1].float(), (h,), (tangent,))
+    torch.testing.assert_close(got, want)
+
+
+class TensorStepDecoder(Decoder):
+    """The step counter carried as a tensor, as the vmap error advises: then each
+    vmapped batch stops after its own number of steps."""
+
+    def forward(self, h: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def cond_fn(t: Any, done: torch.Tensor, h: torch.Tensor, token: torch.Tensor, buf: torch.Tensor) -> Any:
+            return (~done).any() & (t < MAX_LEN)
+
+        def body_fn(t: Any, done: torch.Tensor, h: torch.Tensor, token: torch.Tensor, buf: torch.Tensor) -> Any:
+            h, token = self.step(h, token)
+            token = torch.where(done, torch.full_like(token, EOS), token)
+            here = torch.arange(MAX_LEN) == t  # the step's column (an index_copy at a batched t has no vmap rule)
+            buf = torch.where(here, token.unsqueeze(1), buf)
+            return t + 1, done | (token == EOS), h, token, buf
+
+        done = torch.zeros(h.shape[0], dtype=torch.bool)
+        buf = torch.full((h.shape[0], MAX_LEN), EOS, dtype=torch.long)
+        t, _, h, _, buf = hop.while_loop(cond_fn, body_fn, (torch.tensor(0), done, h, start, buf))
+        return t, buf
+
+
+def test_vmap_of_a_tensor_step_counter_equals_the_python_twin() -> None:
+    model, cases = make()
+    tensor_step = TensorStepDecoder()
+    tensor_step.load_state_dict(model.state_dict())
+    twin = PythonDecoder()
+    twin.load_state_dict(model.state_dict())
+    per_case = [twin(*case) for case in cases]
+    got = torch.vmap(tensor_step)(*(torch.stack(col) for col in zip(*cases, strict=True)))
+    assert got[0].tolist() == [int(t) for t, _ in per_case]
+    assert len(set(got[0].tolist())) > 1  # the batches stop after different numbers of steps
+    torch.testing.assert_close(got[1], torch.stack([buf for _, buf in per_case]))
