@@ -52,7 +52,9 @@ static PyObject *functorch_level;/* torch._C._functorch.maybe_current_level */
 static PyObject *tf_mode;        /* torch._C._is_torch_function_mode_enabled */
 static PyObject *grad_enabled;   /* torch.is_grad_enabled */
 static PyObject *inert_types;    /* hop._closures.INERT_TYPES (a frozenset) */
+static PyObject *accumulate_grad;/* the type of a leaf's AccumulateGrad node */
 static PyObject *s_dtype, *s_ndim, *s_get_device, *s_requires_grad, *s_is_view, *s_validate, *s_active;
+static PyObject *s_grad_fn, *s_next_functions, *s_variable;
 
 enum { E_ITEMS, E_DTYPE, E_NDIM, E_DEVICE, E_KINDS, E_USUAL, E_NAMES, E_KEY, E_SIZE };
 static const char *ENTRY_FIELDS[E_SIZE] = {"items", "dtype", "ndim", "device", "kinds", "usual", "names", "key"};
@@ -291,6 +293,66 @@ still_plain(PyObject *e, PyObject *const *fns, Py_ssize_t n)
     return 1;
 }
 
+/* 1 when out's autograd graph reaches x within REACH nodes, visited breadth first
+   from out.grad_fn (hop.ops._inline.reaches, the same): then x gets its gradient
+   from the branch that ran and no zero-gradient node is needed (Note [untaken
+   branches get zero gradients]); 0 if not, -1 on error. */
+#define REACH 8
+static int
+reaches(PyObject *out, PyObject *x)
+{
+    PyObject *queue[REACH];
+    Py_ssize_t len = 0, i = 0;
+    int found = 0;
+    PyObject *target = PyObject_GetAttr(x, s_grad_fn); /* None for a leaf: its AccumulateGrad holds it */
+    if (target == NULL)
+        return -1;
+    PyObject *fn = PyObject_GetAttr(out, s_grad_fn);
+    if (fn == NULL) {
+        Py_DECREF(target);
+        return -1;
+    }
+    if (fn == Py_None)
+        Py_DECREF(fn);
+    else
+        queue[len++] = fn;
+    while (i < len && found == 0) {
+        PyObject *node = queue[i++];
+        if (target != Py_None && node == target) {
+            found = 1;
+            break;
+        }
+        if ((PyObject *)Py_TYPE(node) == accumulate_grad) {
+            PyObject *v = PyObject_GetAttr(node, s_variable);
+            if (v == NULL) {
+                found = -1;
+                break;
+            }
+            found = v == x;
+            Py_DECREF(v);
+            continue;
+        }
+        PyObject *next = PyObject_GetAttr(node, s_next_functions);
+        if (next == NULL) {
+            found = -1;
+            break;
+        }
+        if (PyTuple_Check(next)) {
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(next) && len < REACH; j++) {
+                PyObject *pair = PyTuple_GET_ITEM(next, j);
+                PyObject *n = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) > 0 ? PyTuple_GET_ITEM(pair, 0) : Py_None;
+                if (n != Py_None)
+                    queue[len++] = Py_NewRef(n);
+            }
+        }
+        Py_DECREF(next);
+    }
+    for (Py_ssize_t j = 0; j < len; j++)
+        Py_DECREF(queue[j]);
+    Py_DECREF(target);
+    return found;
+}
+
 /* fns[k](x) for the entry e found for this call (a reference run() takes over):
    the result, or (out, k, e) when Python must finish it. fns are the items of seq when it is not NULL (switch's
    list, which the branch may change: it is read again after). */
@@ -314,22 +376,26 @@ run(PyObject *e, PyObject *seq, PyObject *const *fns, Py_ssize_t n, Py_ssize_t k
     }
     if (done)
         done = known_kind(out, PyTuple_GET_ITEM(e, E_KINDS), PyTuple_GET_ITEM(e, E_USUAL));
-    if (done > 0) {
-        int needs_grad = truth_of(x, s_requires_grad, 0);
-        int plain = needs_grad == 0 ? still_plain(e, fns, n) : 0;
-        if (needs_grad < 0 || plain < 0)
-            done = -1;
-        else if (!plain) {
-            PyObject *g = PyObject_CallNoArgs(grad_enabled);
-            done = g == NULL ? -1 : g == Py_False;
-            Py_XDECREF(g);
-        }
-    }
     if (done > 0 && out == x)
         done = 0;
     else if (done > 0) {
         int view = truth_of(out, s_is_view, 1);
         done = view < 0 ? -1 : !view;
+    }
+    if (done > 0) {
+        int needs_grad = truth_of(x, s_requires_grad, 0);
+        int plain = needs_grad < 0 ? -1 : still_plain(e, fns, n);
+        if (needs_grad < 0 || plain < 0)
+            done = -1;
+        else if (needs_grad || !plain) {
+            PyObject *g = PyObject_CallNoArgs(grad_enabled);
+            if (g == NULL)
+                done = -1;
+            else if (g == Py_True)
+                /* only x can need a gradient, and the graph gives it one: no node */
+                done = needs_grad && plain ? reaches(out, x) : 0;
+            Py_XDECREF(g);
+        }
     }
     Py_XDECREF(seq);
     if (done != 0) {
@@ -460,12 +526,13 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"entry_fields", "tensor",         "miss",            "config",  "reference",
                             "sinks",        "index_dtypes",   "inert_types",     "cond_cache",
-                            "switch_cache", "mode_stack_len", "functorch_level", "tf_mode", "grad_enabled", NULL};
-    PyObject *v[13], *fields;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OO!O!O!O!O!O!O!OOOO", names, &PyTuple_Type, &fields,
+                            "switch_cache", "mode_stack_len", "functorch_level", "tf_mode", "grad_enabled",
+                            "accumulate_grad", NULL};
+    PyObject *v[14], *fields;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OO!O!O!O!O!O!O!OOOOO!", names, &PyTuple_Type, &fields,
                                      &PyType_Type, &v[0], &v[1], &PyDict_Type, &v[2], &PyDict_Type, &v[3],
                                      &PyList_Type, &v[4], &PySet_Type, &v[5], &PyFrozenSet_Type, &v[6], &PyDict_Type,
-                                     &v[7], &PyDict_Type, &v[8], &v[9], &v[10], &v[11], &v[12]))
+                                     &v[7], &PyDict_Type, &v[8], &v[9], &v[10], &v[11], &v[12], &PyType_Type, &v[13]))
         return NULL;
     /* the entry's layout is Python's: refuse to run on another */
     int same = PyTuple_GET_SIZE(fields) == E_SIZE;
@@ -480,9 +547,10 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
                      fields);
         return NULL;
     }
-    PyObject **slots[] = {&Tensor,     &MISS,         &config,         &reference,       &sinks,   &index_dtypes, &inert_types,
-                          &cond_cache, &switch_cache, &mode_stack_len, &functorch_level, &tf_mode, &grad_enabled};
-    for (int j = 0; j < 13; j++)
+    PyObject **slots[] = {&Tensor,         &MISS,         &config,   &reference,    &sinks,
+                          &index_dtypes,   &inert_types,  &cond_cache, &switch_cache, &mode_stack_len,
+                          &functorch_level, &tf_mode,     &grad_enabled, &accumulate_grad};
+    for (int j = 0; j < 14; j++)
         Py_XSETREF(*slots[j], Py_NewRef(v[j]));
     Py_RETURN_NONE;
 }
@@ -520,7 +588,11 @@ PyInit__fastpath(void)
     s_is_view = PyUnicode_InternFromString("_is_view");
     s_validate = PyUnicode_InternFromString("validate");
     s_active = PyUnicode_InternFromString("ACTIVE");
-    if (!once || !s_dtype || !s_ndim || !s_get_device || !s_requires_grad || !s_is_view || !s_validate || !s_active)
+    s_grad_fn = PyUnicode_InternFromString("grad_fn");
+    s_next_functions = PyUnicode_InternFromString("next_functions");
+    s_variable = PyUnicode_InternFromString("variable");
+    if (!once || !s_dtype || !s_ndim || !s_get_device || !s_requires_grad || !s_is_view || !s_validate || !s_active ||
+        !s_grad_fn || !s_next_functions || !s_variable)
         return NULL;
     return PyModule_Create(&module);
 }

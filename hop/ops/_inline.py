@@ -7,8 +7,9 @@ under user modes the long-hand Python paths serve it) and a validated signature,
 runs one branch on one tensor. What it must
 check on every call (the verdict's operand kind, the output's kind: Note [outputs
 are checked on every call]; whether the branches can read a tensor that requires
-grad: Note [untaken branches get zero gradients]; that the output does not alias
-the operand) costs, in Python, about what a Python ``if`` costs. So a call that
+grad: Note [untaken branches get zero gradients], which needs no node when they
+read nothing but the operand and the output's graph reaches it within a few nodes
+(:func:`reaches`); that the output does not alias the operand) costs, in Python, about what a Python ``if`` costs. So a call that
 found its verdict leaves an *entry* here, and later calls with the same branches
 (the same code, for fresh lambdas too) and an operand of the same kind are run by
 :func:`cond` / :func:`switch`: hop's C module ``hop._fastpath`` where it is built
@@ -53,6 +54,7 @@ import torch
 from hop import _closures, _observe, _reference, config
 from hop import _validation as validation
 from hop._transforms import functorch_level, mode_stack_len, nothing_active, tf_mode_enabled
+from hop.ops._zero_grads import ACCUMULATE_GRAD as _AccumulateGrad
 from hop.ops._zero_grads import reads_nothing
 
 __all__ = ["BUILT", "CACHE_SIZE", "MISS", "Entry", "cond", "key", "remember", "switch"]
@@ -180,11 +182,40 @@ def _run(e: Entry, fns: Sequence[Fn], k: int, x: torch.Tensor, branches: Any = N
     # a branch that changed switch's list: Python finishes with the entry the call found
     done = branches is None or (len(branches) == len(fns) and all(map(_is, branches, fns)))
     done = done and type(out) is _Tensor and (out.dtype, out.ndim, out.get_device()) in e.kinds
-    if done and (x.requires_grad or not _still_plain(fns)):
-        done = not _grad_enabled()
     if done and (out is x or out._is_view()):
         done = False
+    if done and (x.requires_grad or not _still_plain(fns)) and _grad_enabled():
+        # only x can need a gradient, and the graph gives it one: no zero-gradient node
+        done = x.requires_grad and _still_plain(fns) and reaches(out, x)
     return out if done else (out, k, e)
+
+
+REACH = 8
+
+
+def reaches(out: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``out``'s autograd graph reaches ``x`` within :data:`REACH` nodes,
+    visited breadth first from ``out.grad_fn`` (duplicates count): then ``x`` gets its
+    gradient from the branch that ran and no zero-gradient node is needed (Note
+    [untaken branches get zero gradients]; ``_zero_grads`` walks further when this
+    says no)."""
+    target = x.grad_fn  # None for a leaf: its AccumulateGrad node holds it
+    fn = out.grad_fn
+    queue = [] if fn is None else [fn]
+    i = 0
+    while i < len(queue):
+        node = queue[i]
+        i += 1
+        if target is not None and node is target:
+            return True
+        if type(node) is _AccumulateGrad:
+            if node.variable is x:  # type: ignore[attr-defined]
+                return True
+            continue
+        for n, _ in node.next_functions:
+            if n is not None and len(queue) < REACH:
+                queue.append(n)
+    return False
 
 
 def _is(a: Any, b: Any) -> bool:
@@ -238,6 +269,7 @@ def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., 
         functorch_level=functorch_level,
         tf_mode=tf_mode_enabled,
         grad_enabled=_grad_enabled,
+        accumulate_grad=_AccumulateGrad,
     )
     return _fastpath.cond, _fastpath.switch, _fastpath.key
 

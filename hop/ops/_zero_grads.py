@@ -57,7 +57,7 @@ from torch._C._functorch import TransformType
 from hop import _closures, _pytree
 from hop.ops._common import differentiable
 
-__all__ = ["close_over_nothing", "reads_nothing", "zero_untaken"]
+__all__ = ["ACCUMULATE_GRAD", "close_over_nothing", "reads_nothing", "zero_untaken"]
 
 _Tensor = torch.Tensor
 _Function = FunctionType
@@ -187,7 +187,7 @@ def _accumulate_grad_type() -> type:
     return type(leaf.view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
 
 
-_AccumulateGrad = _accumulate_grad_type()
+_AccumulateGrad = ACCUMULATE_GRAD = _accumulate_grad_type()
 
 
 def only_vmap_levels() -> bool:

@@ -429,3 +429,60 @@ def test_aliases_that_are_not_views_are_cloned(impl: str, alias: Any, served: bo
         torch.testing.assert_close(x.detach(), before)
     # a view is seen by the cache's own checks; the others are never served from it
     assert bool(validation.INLINE["cond"]) is served and bool(validation.INLINE["switch"]) is served
+
+
+def _finished_in_python(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    seen: list[int] = []
+    real = _branching_eager.finish_ran
+
+    def spy(*args: Any) -> Any:
+        seen.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(_branching_eager, "finish_ran", spy)
+    return seen
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "non-leaf"])
+def test_an_operand_requiring_grad_that_the_branch_reaches_is_served(
+    impl: str, leaf: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Note [untaken branches get zero gradients]: the graph gives x its gradient, so
+    # no zero-gradient node is needed and the cache finishes the call itself
+    finished = _finished_in_python(monkeypatch)
+    w = torch.randn(3, requires_grad=True)
+    for p in [True, False, True, False]:
+        x = w if leaf else w * 2
+        w.grad = None
+        out = hop.cond(torch.tensor(p), _sin, _cos, (x,))
+        assert out.grad_fn is not None
+        out.sum().backward()
+        scale = 1 if leaf else 2
+        torch.testing.assert_close(w.grad, scale * (x.detach().cos() if p else -x.detach().sin()))
+    assert len(finished) <= 2  # the calls that made the entry; then the cache serves
+
+
+def test_an_operand_the_branch_does_not_reach_still_gets_zeros(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    finished = _finished_in_python(monkeypatch)
+    x = torch.randn(3, requires_grad=True)
+    deep = lambda a: a.neg().neg().neg().neg().neg().neg().neg().neg().neg()  # noqa: E731 x beyond 8 nodes
+    for _ in range(4):
+        x.grad = None
+        (y,) = torch.autograd.grad(hop.cond(torch.tensor(True), lambda a: torch.ones(3), _cos, (x,)).sum(), x)
+        torch.testing.assert_close(y, torch.zeros(3))
+        x.grad = None
+        hop.cond(torch.tensor(True), deep, _cos, (x,)).sum().backward()
+        torch.testing.assert_close(x.grad, -torch.ones(3))
+    assert len(finished) >= 4  # Python finished each: a node for the first, a longer walk for the second
+
+
+def test_no_references_leak_per_call_with_grad(impl: str) -> None:
+    x = torch.randn(3, requires_grad=True)
+    p = torch.tensor(True)
+    for _ in range(5):
+        hop.cond(p, _sin, _cos, (x,))
+    before = (sys.getrefcount(x), sys.getrefcount(p), sys.getrefcount(_sin))
+    for _ in range(1000):
+        hop.cond(p, _sin, _cos, (x,))
+        hop.switch(torch.tensor(1), [_sin, _cos], (x,))
+    assert (sys.getrefcount(x), sys.getrefcount(p), sys.getrefcount(_sin)) == before

@@ -93,6 +93,7 @@ BRANCHES: list[Callable[..., Any]] = [
     torch.abs,
     W.mul,  # a builtin bound to a tensor: never cached
     lambda x: x - 1,
+    lambda x: x.neg().neg().neg().neg().neg().neg().neg().neg().neg(),  # x beyond the C walk's 8 nodes
 ]
 
 DTYPES = [torch.float32, torch.float64, torch.int64]
@@ -105,6 +106,8 @@ def operands(draw: hs.DrawFn) -> torch.Tensor:
     x = torch.arange(1, 1 + torch.Size(shape).numel(), dtype=dtype).reshape(shape)
     if dtype.is_floating_point and draw(hs.booleans()):
         x.requires_grad_()
+        if draw(hs.booleans()):
+            x = x * 1  # not a leaf: its grad_fn is what a branch's graph must reach
     return x
 
 
@@ -220,4 +223,5 @@ def test_the_c_module_refuses_another_entry_layout() -> None:
             functorch_level=len,
             tf_mode=len,
             grad_enabled=len,
+            accumulate_grad=type,
         )
