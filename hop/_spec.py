@@ -35,7 +35,7 @@ class Layout:
     xs: int | None = None  # the tensors a loop slices, one slice per step
     inputs: int | None = None  # what every subgraph reads unchanged: operands, a loop's additional inputs
     body: int | None = None  # a loop's step: its outputs are the node's (final carries, then stacked ys)
-    always_runs: tuple[int, ...] = ()  # subgraphs that run at least once per call (a loop's condition)
+    condition: int | None = None  # a loop's condition: runs before every step, so at least once
 
     def subgraph_positions(self, args: Sequence[Any]) -> tuple[int, ...]:
         if not self.variadic:

@@ -139,7 +139,7 @@ SPEC = _spec.register(
         name=_NAME,
         roles=("cond_fn", "body_fn"),
         # while_loop(cond_gm, body_gm, carries, additional): both read carries then additional
-        layout=_spec.Layout(subgraphs=(0, 1), carries=2, inputs=3, body=1, always_runs=(0,)),
+        layout=_spec.Layout(subgraphs=(0, 1), carries=2, inputs=3, body=1, condition=0),
         validates=True,
         describe=_describe,
     )
