@@ -41,6 +41,8 @@ def call_record(
     if eager and error is None:
         if spec.describe is not None:
             spec.describe(frame, args, kwargs)
+        if spec.over is not None and not frame.inline:
+            frame.detail = f"as hop.{spec.over} (its record is the one before)"
         if spec.validates and frame.validation is None and frame.detail is None:
             # the fast path read the verdict cache directly (validate "once") or skipped it
             frame.validation = "off" if config.validate == "never" else "cached"

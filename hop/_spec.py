@@ -55,7 +55,7 @@ class OpSpec:
     roles: tuple[str, ...] = ()  # the subgraphs' role names, in layout order
     role_pattern: str | None = None  # the role of the k-th subgraph of a variadic run: "branches[{k}]"
     layout: Layout | None = None  # None: a public function with no node of its own
-    over: str | None = None  # then, the operator whose node its calls make
+    over: str | None = None  # then, the operator whose call (and node) its calls make, unless inline
     validates: bool = False  # eager calls validate once per signature
     inline_cache: bool = False  # the public function has the eager inline cache (a fast path)
     branch: Callable[[Any], int] | None = None  # the subgraph a selector's value picks

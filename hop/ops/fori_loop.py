@@ -24,15 +24,9 @@ __all__ = ["fori_loop"]
 _NAME = "fori_loop"
 _SINKS = _observe.SINKS
 
-
-def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if not frame.inline:
-        frame.detail = "as hop.while_loop (its record is the one before)"
-
-
 # A public function with no operator of its own: a call that does not run inline
 # makes a while_loop call (and node), observed as while_loop's record before this one.
-SPEC = _spec.register(_spec.OpSpec(name=_NAME, over="while_loop", validates=True, describe=_describe))
+SPEC = _spec.register(_spec.OpSpec(name=_NAME, over="while_loop", validates=True))
 
 
 def fori_loop(
