@@ -27,22 +27,12 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from hop import _spec
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, format_message, type_name
 
 __all__ = ["draw", "to_dot"]
 
 _OP = "debug.draw"
-
-# The role of the k-th subgraph argument of each operator, in argument order (the proxy
-# rules' node layout: cond(pred, true, false, operands), while_loop(cond, body, carry,
-# additional), map/scan/associative_scan(body, ...)). switch's branches are "branch k".
-_ROLES: dict[str, tuple[str, ...]] = {
-    "cond": ("true_fn", "false_fn"),
-    "while_loop": ("cond_fn", "body_fn"),
-    "map": ("f",),
-    "scan": ("combine_fn",),
-    "associative_scan": ("combine_fn",),
-}
 
 _RENDERED = {".svg": "svg", ".png": "png"}
 # Runtime asserts: on a SymBool (unbacked ranges, torch.export's shape checks) and on a
@@ -156,14 +146,7 @@ def _subgraphs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[tuple[torc
         return []
     args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
     subs = [(a, s) for a in args if (s := _subgraph_of(gm, a)) is not None]
-    return [(a, s, _role(node.target._name, k)) for k, (a, s) in enumerate(subs)]
-
-
-def _role(op: str, k: int) -> str:
-    if op == "switch":
-        return f"branch {k}"
-    roles = _ROLES.get(op, ())
-    return roles[k] if k < len(roles) else f"subgraph {k}"
+    return [(a, s, _spec.role_of(node.target._name, k)) for k, (a, s) in enumerate(subs)]
 
 
 def _op_name(target: Any) -> str:

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from hop import _observe, config
+from hop import _observe, _spec, config
 from hop._observe import Frame
 from hop._pytree import flatten_dropping_none
 from hop._records import DispatchRecord
 
-__all__ = ["call_record", "watch"]
+__all__ = ["branch_facts", "call_record", "static_length", "watch"]
 
 
 def watch(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
@@ -31,25 +31,23 @@ def watch(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         _observe.emit(call_record(frame, args, kwargs or {}, elapsed, error))
 
 
-# operators whose public function has a fast path beside its general eager path
-_FAST = ("cond", "switch")
-# operators whose eager calls validate once per signature
-_VALIDATED = ("cond", "switch", "while_loop", "fori_loop")
-
-
 def call_record(
     frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any], elapsed_us: float, error: BaseException | None
 ) -> DispatchRecord:
     """What ``frame`` learned, completed from the call's arguments where the eager
     fast path (which notes nothing) decided."""
+    spec = _spec.spec_of(frame.op) or _spec.OpSpec(frame.op)  # an operator without one: nothing to add
     eager = frame.landing is None
     if eager and error is None:
-        _FACTS.get(frame.op, _no_facts)(frame, args, kwargs)
-        if frame.op in _VALIDATED and frame.validation is None and frame.detail is None:
+        if spec.describe is not None:
+            spec.describe(frame, args, kwargs)
+        if spec.over is not None and not frame.inline:
+            frame.detail = f"as hop.{spec.over} (its record is the one before)"
+        if spec.validates and frame.validation is None and frame.detail is None:
             # the fast path read the verdict cache directly (validate "once") or skipped it
             frame.validation = "off" if config.validate == "never" else "cached"
     if eager:
-        key, route, kernel = "eager", "fast-path" if frame.op in _FAST and not frame.inline else "inline", None
+        key, route, kernel = "eager", "fast-path" if spec.inline_cache and not frame.inline else "inline", None
         detail = frame.detail
     else:
         landing = frame.landing
@@ -67,7 +65,7 @@ def call_record(
         kernel,
         detail,
         kind="call",
-        role=_role(frame.op, frame.branch),
+        role=None if frame.branch is None else spec.role(frame.branch),
         branch=frame.branch,
         trips=frame.trips,
         length=frame.length,
@@ -79,27 +77,7 @@ def call_record(
     )
 
 
-def _role(op: str, branch: int | None) -> str | None:
-    if branch is None:
-        return None
-    if op == "cond":
-        return ("true_fn", "false_fn")[branch]
-    return f"branches[{branch}]"
-
-
-def _no_facts(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    pass
-
-
-def _cond(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    _branch(frame, bool, "a Python bool pred", 0 if args[0] else 1, args[0])  # eager: pred has a value
-
-
-def _switch(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    _branch(frame, int, "a Python int index", int(args[0]), args[0])
-
-
-def _branch(frame: Frame, python: type, what: str, k: int, selector: Any) -> None:
+def branch_facts(frame: Frame, python: type, what: str, k: int, selector: Any) -> None:
     """The fast path notes nothing: the branch is the one the selector's value picks."""
     if type(selector) is python:
         frame.detail, frame.inline = f"{what}: the branch just runs", True
@@ -109,42 +87,9 @@ def _branch(frame: Frame, python: type, what: str, k: int, selector: Any) -> Non
         frame.branch = k
 
 
-def _length(xs: Any, dim: Any) -> int | None:
+def static_length(xs: Any, dim: Any) -> int | None:
     leaves = [x for x in flatten_dropping_none(xs)[0] if isinstance(x, torch.Tensor)]
     if not leaves or type(dim) is not int or not -leaves[0].dim() <= dim < leaves[0].dim():
         return None
     n = leaves[0].shape[dim]
     return n if type(n) is int else None
-
-
-def _scan(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    frame.length = frame.trips = _length(args[2], kwargs.get("dim", 0))
-
-
-def _map(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    frame.length = frame.trips = _length(args[1], 0)
-
-
-def _associative_scan(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    frame.length = _length(args[1], args[2])
-
-
-def _while_loop(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if kwargs.get("checkpoint"):
-        frame.detail = "checkpointed"
-
-
-def _fori_loop(frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if not frame.inline:
-        frame.detail = "as hop.while_loop (its record is the one before)"
-
-
-_FACTS: dict[str, Callable[[Frame, tuple[Any, ...], dict[str, Any]], None]] = {
-    "cond": _cond,
-    "switch": _switch,
-    "scan": _scan,
-    "map": _map,
-    "associative_scan": _associative_scan,
-    "while_loop": _while_loop,
-    "fori_loop": _fori_loop,
-}

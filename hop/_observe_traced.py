@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from hop import _observe
+from hop import _observe, _spec
 from hop._records import DispatchRecord
 
 __all__ = ["traced_node", "captured", "unified", "runtime_assert", "graph_break"]
@@ -42,12 +42,10 @@ def captured(op: str, graphs: Sequence[torch.fx.GraphModule]) -> None:
 
 
 def _subgraphs(op: str, graphs: Sequence[torch.fx.GraphModule], key: str, prefix: str) -> None:
-    from hop._draw import _role
-
     structured = _observe.structured_on()
     depth = _observe.depth(op)
     for k, gm in enumerate(graphs):
-        role = _role(op, k)
+        role = _spec.role_of(op, k)
         nodes = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
         _observe.emit(
             DispatchRecord(op, key, "subgraph", None, f"{nodes} nodes", kind="subgraph", role=role, depth=depth)

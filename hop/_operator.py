@@ -26,7 +26,7 @@ from torch._C import DispatchKey
 from torch._C._functorch import TransformType
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hop import _dispatch, _transforms
+from hop import _dispatch, _spec, _transforms
 from hop.errors import HopTypeError, HopValueError, UnknownOperatorError, format_message, type_name
 
 __all__ = ["HigherOrderOperator", "registered_ops"]
@@ -36,9 +36,6 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # Every hop operator by name: the source of truth for torch.ops.hop.
 _REGISTRY: dict[str, HigherOrderOperator] = {}
 _MISSING = object()
-# hop's own operators (hop/ops): saved programs refer to them by these names, so a
-# user op may not take one over once hop has defined it.
-_OWN = frozenset({"cond", "switch", "while_loop", "map", "scan", "associative_scan"})
 
 
 class _HopNamespace(torch._ops._OpNamespace):
@@ -111,7 +108,7 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
                 format_message("HigherOrderOperator", f"name must be a Python identifier, got {name!r}"),
                 role="name",
             )
-        if name in _OWN and name in _REGISTRY:
+        if _own(name) and name in _REGISTRY:
             raise HopValueError(
                 format_message(
                     "HigherOrderOperator",
@@ -237,6 +234,13 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
 
     def __reduce__(self) -> tuple[Callable[[str], HigherOrderOperator], tuple[str]]:
         return (_lookup_op, (self.name(),))
+
+
+def _own(name: str) -> bool:
+    """Whether ``name`` is one of hop's own operators (hop/ops, each with a spec of its
+    node): saved programs refer to them by name, so a user op may not take one over."""
+    spec = _spec.spec_of(name)
+    return spec is not None and spec.layout is not None
 
 
 def _lookup_op(name: str) -> HigherOrderOperator:

@@ -65,9 +65,10 @@ _VERDICTS: dict[Any, set[Any]] = {}
 # output check fails, to say that callable was checked by its real call alone).
 _UNCHECKED: dict[Any, dict[int, str]] = {}
 _SINKS = _observe.SINKS
-# Per operator, the inline cache of validated eager calls (Note [the eager inline
-# cache] in hop.ops._inline): each entry holds a verdict, and goes with it.
-INLINE: dict[str, dict[Any, Any]] = {"cond": {}, "switch": {}}  # key -> hop.ops._inline.Entry
+# Per operator whose spec has the inline cache, its cache of validated eager calls
+# (Note [the eager inline cache] in hop.ops._inline, which fills this): each entry
+# holds a verdict, and goes with it.
+INLINE: dict[str, dict[Any, Any]] = {}  # name -> key -> hop.ops._inline.Entry
 # Verdicts whose fake run saw a callable return a tensor sharing memory with an
 # operand without being it or a view of it (x.detach(), x.data); their calls are
 # not cached inline, so each gets the general path's data-pointer check.

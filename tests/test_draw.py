@@ -106,9 +106,9 @@ def test_exported_program() -> None:
     ep = torch.export.export(Model(), (torch.randn(3, 4),))
     dot = hop.debug.draw(ep)
     assert where(dot, "cos = aten.cos") == [("hop.cond: true_fn",)]
-    assert where(dot, "sigmoid = aten.sigmoid") == [("hop.switch: branch 2",)]
+    assert where(dot, "sigmoid = aten.sigmoid") == [("hop.switch: branches[2]",)]
     assert where(dot, "input p_lin_weight") == [()]
-    assert dot.count('label="branch ') == 3
+    assert dot.count('label="branches[') == 3
     # switch's index check is an assert on a bool tensor: drawn as an assert naming the tested node
     assert where(dot, "assert and_1\\nhop.switch: index out of range for 3 branches") == [()]
 
@@ -120,7 +120,7 @@ def test_saved_and_loaded_program_draws_the_same_clusters() -> None:
     buffer.seek(0)
     loaded = hop.debug.draw(torch.export.load(buffer))
     assert [path for path, _ in nodes_by_cluster(loaded)] == [path for path, _ in nodes_by_cluster(hop.debug.draw(ep))]
-    assert where(loaded, "tanh = aten.tanh") == [("hop.switch: branch 1",)]
+    assert where(loaded, "tanh = aten.tanh") == [("hop.switch: branches[1]",)]
 
 
 def many(x: torch.Tensor) -> Any:
@@ -135,8 +135,8 @@ def test_every_role_is_named() -> None:
     assert roles == [
         "hop.associative_scan: combine_fn",
         "hop.map: f",
-        "hop.switch: branch 0",
-        "hop.switch: branch 1",
+        "hop.switch: branches[0]",
+        "hop.switch: branches[1]",
     ]
 
 

@@ -206,7 +206,7 @@ def test_records_keep_their_old_shape() -> None:
 def _traced_cases() -> list[tuple[str, Callable[[torch.Tensor], Any], tuple[str, ...]]]:
     return [
         ("cond", lambda x: hop.cond(x.sum() > 0, torch.sin, torch.cos, (x,)), ("true_fn", "false_fn")),
-        ("switch", lambda x: hop.switch(x.sum().long().clamp(0, 1), [torch.sin, torch.cos], (x,)), ("branch 0",)),
+        ("switch", lambda x: hop.switch(x.sum().long().clamp(0, 1), [torch.sin, torch.cos], (x,)), ("branches[0]",)),
         (
             "while_loop",
             lambda x: hop.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v.sin()), (torch.tensor(0), x))[1],

@@ -65,6 +65,7 @@ _Tensor = torch.Tensor
 _Function = FunctionType
 _Builtin = BuiltinFunctionType
 _CACHES = validation.INLINE
+_CACHES.update(cond={}, switch={})  # the two operators this module (and hop._fastpath) serves
 _INDEX_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 _grad_enabled = torch.is_grad_enabled
 Fn = Callable[..., Any]

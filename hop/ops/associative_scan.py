@@ -36,7 +36,18 @@ from torch._C._functorch import TransformType, _add_batch_dim
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _closures, _effects, _lifting, _observe, _observe_calls, _pytree, _reference, _tracing, _transforms
+from hop import (
+    _closures,
+    _effects,
+    _lifting,
+    _observe,
+    _observe_calls,
+    _pytree,
+    _reference,
+    _spec,
+    _tracing,
+    _transforms,
+)
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
@@ -133,6 +144,22 @@ def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
 
 
 associative_scan_op = HigherOrderOperator("associative_scan", tuple_args={1: "xs", 2: "additional_inputs"})
+
+
+def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    frame.length = _observe_calls.static_length(args[1], args[2])
+
+
+SPEC = _spec.register(
+    _spec.OpSpec(
+        name=_NAME,
+        roles=("combine_fn",),
+        # associative_scan(combine_gm, xs, additional, mode): combine(lhs slices, rhs slices,
+        # additional) is no step of a loop (no body): the passes leave the node alone
+        layout=_spec.Layout(subgraphs=(0,), xs=1, inputs=2),
+        describe=_describe,
+    )
+)
 
 
 def _prefix_scan(combine: Fn, elems: Sequence[torch.Tensor], additional: Sequence[Any], n: int) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference
+from hop import _observe, _observe_calls, _reference, _spec
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling
@@ -175,13 +175,31 @@ def _call(pred: Any, branches: Sequence[Callable[..., Any]], operands: Sequence[
     return cond_op(pred, branches[0], branches[1], tuple(operands))
 
 
+def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    _observe_calls.branch_facts(
+        frame, bool, "a Python bool pred", 0 if args[0] else 1, args[0]
+    )  # eager: pred has a value
+
+
+SPEC = _spec.register(
+    _spec.OpSpec(
+        name="cond",
+        roles=("true_fn", "false_fn"),
+        layout=_spec.Layout(subgraphs=(1, 2), selector=0, inputs=3),  # cond(pred, true_gm, false_gm, operands)
+        validates=True,
+        inline_cache=True,
+        branch=lambda pred: 0 if bool(pred) else 1,  # truthy as a Python if: true_gm comes first
+        describe=_describe,
+    )
+)
+
 COND = br.Branching(
     name="cond",
     op=cond_op,
     call=_call,
     index=_index,
     masks=_masks,
-    roles=lambda n: ("true_fn", "false_fn"),
+    roles=SPEC.role_names,
     node_args=lambda pred, graphs, operands: (pred, graphs[0], graphs[1], operands),
     selector="pred",
 )

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from hop import _observe, _observe_calls, _reference, _transforms
+from hop import _observe, _observe_calls, _reference, _spec, _transforms
 from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
@@ -23,6 +23,10 @@ __all__ = ["fori_loop"]
 
 _NAME = "fori_loop"
 _SINKS = _observe.SINKS
+
+# A public function with no operator of its own: a call that does not run inline
+# makes a while_loop call (and node), observed as while_loop's record before this one.
+SPEC = _spec.register(_spec.OpSpec(name=_NAME, over="while_loop", validates=True))
 
 
 def fori_loop(

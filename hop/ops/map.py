@@ -17,7 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _pytree, _reference
+from hop import _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.ops import _loop_checks, _loop_values
@@ -113,6 +113,22 @@ def _flat_body(f: Fn, xs_spec: Any, args_spec: Any, arg_leaves: list[Any]) -> tu
 
 
 map_op = HigherOrderOperator("map", tuple_args={1: "xs", 2: "additional_inputs"})
+
+
+def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    frame.length = frame.trips = _observe_calls.static_length(args[1], 0)
+
+
+SPEC = _spec.register(
+    _spec.OpSpec(
+        name="map",
+        roles=("f",),
+        layout=_spec.Layout(
+            subgraphs=(0,), xs=1, inputs=2, body=0
+        ),  # map(body, xs, additional): body(slices, additional)
+        describe=_describe,
+    )
+)
 
 
 def _call(body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool) -> Any:

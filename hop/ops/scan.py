@@ -18,7 +18,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _pytree, _reference
+from hop import _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, format_message, type_name
@@ -182,6 +182,21 @@ def _flat_body(combine_fn: Fn, init_spec: Any, xs_spec: Any, dim: int) -> tuple[
 
 
 scan_op = HigherOrderOperator("scan", tuple_args={1: "init", 2: "xs", 3: "additional_inputs"})
+
+
+def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    frame.length = frame.trips = _observe_calls.static_length(args[2], kwargs.get("dim", 0))
+
+
+SPEC = _spec.register(
+    _spec.OpSpec(
+        name="scan",
+        roles=("combine_fn",),
+        # scan(body, init, xs, additional, reverse): body(carries, slices, additional)
+        layout=_spec.Layout(subgraphs=(0,), carries=1, xs=2, inputs=3, body=0),
+        describe=_describe,
+    )
+)
 
 
 def _call(body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool) -> Any:

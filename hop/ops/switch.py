@@ -17,7 +17,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference
+from hop import _observe, _observe_calls, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling, is_plain_tensor, mode_stack_len
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
@@ -227,13 +227,30 @@ def _call(index: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     return switch_op(index, tuple(operands), *branches)
 
 
+def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    _observe_calls.branch_facts(frame, int, "a Python int index", int(args[0]), args[0])
+
+
+SPEC = _spec.register(
+    _spec.OpSpec(
+        name="switch",
+        role_pattern="branches[{k}]",
+        # switch(index, operands, *branch_gms): the branches last, as many as there are
+        layout=_spec.Layout(subgraphs=(2,), variadic=True, selector=0, inputs=1),
+        validates=True,
+        inline_cache=True,
+        branch=int,
+        describe=_describe,
+    )
+)
+
 SWITCH = br.Branching(
     name="switch",
     op=switch_op,
     call=_call,
     index=_index,
     masks=_masks,
-    roles=lambda n: tuple(f"branches[{k}]" for k in range(n)),
+    roles=SPEC.role_names,
     node_args=lambda index, graphs, operands: (index, operands, *graphs),
 )
 

@@ -30,7 +30,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference, _transforms
+from hop import _observe, _observe_calls, _reference, _spec, _transforms
 from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
@@ -127,6 +127,23 @@ def _inline_or_node(
 # --- the raw op and its rules -----------------------------------------------------------------
 
 while_loop_op = HigherOrderOperator("while_loop", tuple_args={2: "carried_inputs", 3: "additional_inputs"})
+
+
+def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if kwargs.get("checkpoint"):
+        frame.detail = "checkpointed"
+
+
+SPEC = _spec.register(
+    _spec.OpSpec(
+        name=_NAME,
+        roles=("cond_fn", "body_fn"),
+        # while_loop(cond_gm, body_gm, carries, additional): both read carries then additional
+        layout=_spec.Layout(subgraphs=(0, 1), carries=2, inputs=3, body=1, condition=0),
+        validates=True,
+        describe=_describe,
+    )
+)
 
 
 @while_loop_op.py_impl(DispatchKey.CompositeExplicitAutograd)

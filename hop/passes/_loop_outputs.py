@@ -16,21 +16,14 @@ import torch.fx
 
 from hop.passes import _program
 
-# Per op: (position of the carries' initial values in the node's args, or None;
-# positions of the subgraphs that read the carries; position of the body).
-_Layout = tuple[int | None, tuple[int, ...], int]
-LOOPS: dict[Any, _Layout] = {
-    torch.ops.hop.while_loop: (2, (0, 1), 1),  # while_loop(cond_gm, body_gm, carries, additional)
-    torch.ops.hop.scan: (1, (0,), 0),  # scan(body, init, xs, additional, reverse)
-    torch.ops.hop.map: (None, (0,), 0),  # map(body, xs, additional): no carries
-}
-
 
 def plan(gm: torch.fx.GraphModule, node: torch.fx.Node, read: list[int]) -> tuple[list[int], Callable[[], None]] | None:
     """The live outputs of loop ``node`` whose outputs ``read`` are read, and an edit that
     drops the others from the node and its subgraphs; None where the layout is unknown."""
-    init_at, readers, body_at = LOOPS[node.target]
+    at = _program.node_layout(node)
+    assert at is not None and at.body is not None
     args = node.args
+    init_at, readers, body_at = at.carries, at.subgraph_positions(args), at.body  # every subgraph reads the carries
     carries = len(args[init_at]) if init_at is not None else 0  # type: ignore[arg-type]
     body = _program.subgraph(gm, args[body_at])  # type: ignore[arg-type]
     _, outputs = _program.output_nodes(body)

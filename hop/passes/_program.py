@@ -18,13 +18,12 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
+from hop import _operator, _spec
 from hop.errors import HopTypeError, format_message, type_name
 from hop.passes import _constants
 
 Program = TypeVar("Program", torch.fx.GraphModule, torch.export.ExportedProgram)
 GraphPass = Callable[[torch.fx.GraphModule, bool], bool]  # (graph, is it the top level?) -> changed
-
-BRANCHING = (torch.ops.hop.cond, torch.ops.hop.switch)
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -117,16 +116,16 @@ def run_everywhere(gm: torch.fx.GraphModule, graph_pass: GraphPass, *, top: bool
 
 
 def rewrite_nodes(
-    program: Program, targets: Iterable[Any], rewrite: Callable[[torch.fx.GraphModule, torch.fx.Node], bool]
+    program: Program,
+    wanted: Callable[[torch.fx.Node], bool],
+    rewrite: Callable[[torch.fx.GraphModule, torch.fx.Node], bool],
 ) -> Program:
     """:func:`apply` of a pass that calls ``rewrite(gm, node)`` on each node of each graph
-    that calls one of ``targets`` (True where it changed something), then removes what
-    became dead."""
-    wanted = tuple(targets)
+    that is ``wanted`` (True where it changed something), then removes what became dead."""
 
     def graph_pass(gm: torch.fx.GraphModule, top: bool) -> bool:
         changed = False
-        for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in wanted]:
+        for node in [n for n in gm.graph.nodes if wanted(n)]:
             changed |= rewrite(gm, node)
         if changed:
             eliminate_dead_code(gm)
@@ -135,20 +134,45 @@ def rewrite_nodes(
     return apply(program, graph_pass)
 
 
+def spec(node: torch.fx.Node) -> _spec.OpSpec | None:
+    """The spec of the hop operator ``node`` calls, where its arguments are (None for any other node)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, _operator.HigherOrderOperator):
+        return None
+    found = _spec.spec_of(target.name())
+    if found is None or found.layout is None or _operator.registered_ops().get(target.name()) is not target:
+        return None
+    return found
+
+
+def node_layout(node: torch.fx.Node) -> _spec.Layout | None:
+    found = spec(node)
+    return None if found is None else found.layout
+
+
+def is_branching(node: torch.fx.Node) -> bool:
+    """A cond or switch: a selector picks the one subgraph that runs."""
+    at = node_layout(node)
+    return at is not None and at.selector is not None
+
+
+def is_loop(node: torch.fx.Node) -> bool:
+    """A while_loop, scan or map: a body steps carries (or slices of xs)."""
+    at = node_layout(node)
+    return at is not None and at.body is not None
+
+
 def branching_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
     """The cond and switch nodes of ``gm``'s own graph (a list: callers edit the graph)."""
-    return iter([n for n in gm.graph.nodes if n.op == "call_function" and n.target in BRANCHING])
+    return iter([n for n in gm.graph.nodes if is_branching(n)])
 
 
 def layout(node: torch.fx.Node) -> tuple[Any, tuple[Any, ...], list[torch.fx.Node]]:
-    """``(selector, operands, branch get_attr nodes)`` of a node of either layout:
-    ``cond(pred, true_gm, false_gm, operands)`` or ``switch(index, operands, *branch_gms)``."""
+    """``(selector, operands, branch get_attr nodes)`` of a branching node."""
+    at = node_layout(node)
+    assert at is not None and at.selector is not None and at.inputs is not None
     args: tuple[Any, ...] = node.args
-    if node.target is torch.ops.hop.cond:
-        sel, true_gm, false_gm, operands = args
-        return sel, tuple(operands), [true_gm, false_gm]
-    sel, operands, *branches = args
-    return sel, tuple(operands), list(branches)
+    return args[at.selector], tuple(args[at.inputs]), [args[p] for p in at.subgraph_positions(args)]
 
 
 def subgraph(gm: torch.fx.GraphModule, attr: torch.fx.Node) -> torch.fx.GraphModule:

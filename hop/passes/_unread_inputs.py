@@ -8,7 +8,6 @@ tensors a body closes over). Never a carry or an ``xs``: a carry is a result, an
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,36 +15,31 @@ import torch.fx
 
 from hop.passes import _program
 
-# Per op: (position of the droppable inputs in the node's args, number of subgraph
-# placeholders before them, positions of the subgraphs).
-_Layout = tuple[int, Callable[[tuple[Any, ...]], int], Callable[[tuple[Any, ...]], range]]
-_LAYOUTS: dict[Any, _Layout] = {
-    torch.ops.hop.cond: (3, lambda a: 0, lambda a: range(1, 3)),
-    torch.ops.hop.switch: (1, lambda a: 0, lambda a: range(2, len(a))),
-    torch.ops.hop.while_loop: (3, lambda a: len(a[2]), lambda a: range(2)),
-    torch.ops.hop.scan: (3, lambda a: len(a[1]) + len(a[2]), lambda a: range(1)),
-    torch.ops.hop.map: (2, lambda a: len(a[1]), lambda a: range(1)),
-}
-TARGETS = tuple(_LAYOUTS)
+
+def targets(node: torch.fx.Node) -> bool:
+    """The nodes this pass knows: branching ones and loops (not associative_scan's, say)."""
+    return _program.is_branching(node) or _program.is_loop(node)
 
 
 def drop_unread_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     """Drop the inputs of hop ``node`` that no subgraph reads; whether any went. A cond or
     switch keeps one operand (the node reads something)."""
-    at, before, positions = _LAYOUTS[node.target]
+    layout = _program.node_layout(node)
+    assert layout is not None and layout.inputs is not None
     args = node.args
+    at, positions = layout.inputs, layout.subgraph_positions(args)
     inputs: tuple[Any, ...] = tuple(args[at])  # type: ignore[arg-type]
-    subs = [_program.subgraph(gm, args[p]) for p in positions(args)]  # type: ignore[arg-type]
-    offset = before(args)
+    subs = [_program.subgraph(gm, args[p]) for p in positions]  # type: ignore[arg-type]
+    offset = layout.leading(args)
     placeholders = [[n for n in s.graph.nodes if n.op == "placeholder"] for s in subs]
     if any(len(p) != offset + len(inputs) for p in placeholders):
         return False  # not a layout this pass knows: leave the node
     unread = [k for k in range(len(inputs)) if all(not p[offset + k].users for p in placeholders)]
-    if node.target in _program.BRANCHING and len(unread) == len(inputs):
+    if layout.selector is not None and len(unread) == len(inputs):
         unread = unread[1:]
     if not unread:
         return False
-    for p, sub in zip(positions(args), subs, strict=True):
+    for p, sub in zip(positions, subs, strict=True):
         copy = _program.copy_graph_module(sub)  # another node may share the original
         mine = [n for n in copy.graph.nodes if n.op == "placeholder"]
         for k in unread:

@@ -38,7 +38,7 @@ def _fold_graph(gm: torch.fx.GraphModule, constants: dict[str, Any]) -> bool:
             changed |= _fold_graph(child, {})
     for node in _program.branching_nodes(gm):
         changed |= _fold(gm, node, constants)
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _SUBGRAPH_INPUTS]:
+    for node in [n for n in gm.graph.nodes if _folds_inside(n)]:
         changed |= _specialize(gm, node, constants)
     for node in [n for n in gm.graph.nodes if n.target in _ASSERTS]:
         changed |= _drop_passing_assert(gm, node, constants)
@@ -53,7 +53,7 @@ def _specialize(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: dict[s
     """Fold inside the subgraphs of a node that stays, knowing which of their inputs are
     constants (hop lifts a constant a body reads into an input, so its selector reads a placeholder)."""
     changed = False
-    for attr, inputs in _SUBGRAPH_INPUTS[node.target](node):  # type: ignore[index]
+    for attr, inputs in _subgraph_inputs(node):
         values = [evaluate(gm, i, constants, {}) for i in inputs]
         branch = _program.copy_graph_module(_program.subgraph(gm, attr))
         placeholders = [n for n in branch.graph.nodes if n.op == "placeholder"]
@@ -66,24 +66,22 @@ def _specialize(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: dict[s
     return changed
 
 
-def _branch_inputs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, tuple[Any, ...]]]:
-    _, operands, branches = _program.layout(node)
-    return [(b, operands) for b in branches]
+def _folds_inside(node: torch.fx.Node) -> bool:
+    """A cond, a switch or a while_loop: a loop over xs (scan, map) is not folded into."""
+    layout = _program.node_layout(node)
+    if layout is None:
+        return False
+    return layout.selector is not None or (layout.body is not None and layout.xs is None)
 
 
-def _loop_inputs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, tuple[Any, ...]]]:
-    # while_loop(cond_gm, body_gm, carries, additional_inputs): carries change from one
-    # iteration to the next (unknown), additional inputs do not.
-    cond_gm, body_gm, carries, additional = node.args
-    inputs = (UNKNOWN,) * len(carries) + tuple(additional)  # type: ignore[arg-type]
-    return [(cond_gm, inputs), (body_gm, inputs)]  # type: ignore[list-item]
-
-
-_SUBGRAPH_INPUTS = {
-    torch.ops.hop.cond: _branch_inputs,
-    torch.ops.hop.switch: _branch_inputs,
-    torch.ops.hop.while_loop: _loop_inputs,
-}
+def _subgraph_inputs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, tuple[Any, ...]]]:
+    """Each subgraph with its inputs: carries change from one iteration to the next
+    (unknown), operands and additional inputs do not."""
+    layout = _program.node_layout(node)
+    assert layout is not None and layout.inputs is not None
+    args: tuple[Any, ...] = node.args
+    inputs = (UNKNOWN,) * layout.leading(args) + tuple(args[layout.inputs])
+    return [(args[p], inputs) for p in layout.subgraph_positions(args)]
 
 
 def _fold(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: dict[str, Any]) -> bool:
@@ -96,12 +94,11 @@ def _fold(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: dict[str, An
     value = evaluate(gm, sel, constants, {})
     if value is UNKNOWN:
         return False
-    if node.target is torch.ops.hop.cond:
-        chosen = 0 if bool(value) else 1  # truthy as a Python if: true_gm comes first
-    else:
-        chosen = int(value)
-        if not 0 <= chosen < len(branches):
-            return False
+    spec = _program.spec(node)
+    assert spec is not None and spec.branch is not None
+    chosen = spec.branch(value)  # cond: truthy as a Python if, true_gm first; switch: the index
+    if not 0 <= chosen < len(branches):
+        return False
     results = _program.inline(gm, node, _program.subgraph(gm, branches[chosen]), operands)
     if results is None:
         return False

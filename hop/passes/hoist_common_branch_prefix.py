@@ -24,7 +24,7 @@ def hoist_common_branch_prefix(program: Program) -> Program:
     without in-place ops; a value a branch returns as it is stays (a branch's result
     never aliases an operand). The node's other users and its outputs are unchanged.
     """
-    return _program.rewrite_nodes(program, _program.BRANCHING, _hoist)
+    return _program.rewrite_nodes(program, _program.is_branching, _hoist)
 
 
 def _hoist(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -95,6 +95,8 @@ def _key(node: torch.fx.Node, keys: dict[torch.fx.Node, Any]) -> Any:
 
 
 def _set_operands(node: torch.fx.Node, operands: tuple[Any, ...]) -> None:
+    layout = _program.node_layout(node)
+    assert layout is not None and layout.inputs is not None
     args = list(node.args)
-    args[3 if node.target is torch.ops.hop.cond else 1] = operands
+    args[layout.inputs] = operands
     node.args = tuple(args)

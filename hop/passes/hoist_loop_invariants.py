@@ -3,7 +3,6 @@ is computed once, before the loop."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,30 +27,19 @@ def hoist_loop_invariants(program: Program) -> Program:
     such limit. A value the body returns as it is stays in the body (the loop's results
     never alias its inputs).
     """
-    return _program.rewrite_nodes(program, _LAYOUTS, _hoist)
-
-
-# Per loop op: (position of its additional inputs in the node's args, number of a
-# subgraph's placeholders before the additional inputs, (subgraph arg position, whether
-# it may run zero times) for each subgraph).
-_Layout = tuple[int, Callable[[tuple[Any, ...]], int], tuple[tuple[int, bool], ...]]
-_LAYOUTS: dict[Any, _Layout] = {
-    # while_loop(cond_gm, body_gm, carries, additional): both read carries then additional
-    torch.ops.hop.while_loop: (3, lambda a: len(a[2]), ((0, False), (1, True))),
-    # scan(body, init, xs, additional, reverse): body(carries, slices, additional)
-    torch.ops.hop.scan: (3, lambda a: len(a[1]) + len(a[2]), ((0, True),)),
-    # map(body, xs, additional): body(slices, additional)
-    torch.ops.hop.map: (2, lambda a: len(a[1]), ((0, True),)),
-}
+    return _program.rewrite_nodes(program, _program.is_loop, _hoist)
 
 
 def _hoist(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    at, varying, subgraphs = _LAYOUTS[node.target]
+    layout = _program.node_layout(node)
+    assert layout is not None and layout.inputs is not None
     args = node.args
+    at = layout.inputs  # the additional inputs: after the carries and slices of xs
     additional: list[Any] = list(args[at])  # type: ignore[arg-type]
-    fixed = varying(args)
+    fixed = layout.leading(args)
     plans = []
-    for position, skippable in subgraphs:
+    for position in layout.subgraph_positions(args):
+        skippable = position != layout.condition  # a body may run zero times, the condition runs once
         sub = _program.copy_graph_module(_program.subgraph(gm, args[position]))  # type: ignore[arg-type]
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != fixed + len(additional):

@@ -44,7 +44,7 @@ class OptimizePass(CustomGraphPass):
         gm = graph.owning_module
         if not isinstance(gm, torch.fx.GraphModule):
             return  # a graph without its module has no subgraphs to read: nothing to do
-        hop_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _OPS]
+        hop_nodes = [n for n in graph.nodes if _program.is_branching(n) or _program.is_loop(n)]
         if hop_nodes:
             with _program.in_place():
                 optimize(gm)
@@ -57,9 +57,6 @@ class OptimizePass(CustomGraphPass):
 
 
 OPTIMIZE_PASS = OptimizePass()
-
-# The hop operators the passes simplify.
-_OPS = (torch.ops.hop.cond, torch.ops.hop.switch, torch.ops.hop.while_loop, torch.ops.hop.map, torch.ops.hop.scan)
 
 
 def chain(passes: Any) -> list[Any]:

@@ -30,7 +30,7 @@ def remove_dead_outputs(program: Program) -> Program:
     cond/switch operand (one is kept), a loop's additional input (a closed-over tensor
     whose use was hoisted or pruned away); never a carry, nor a scan's or map's ``xs``.
     """
-    return _program.rewrite_nodes(program, _unread_inputs.TARGETS, _prune_outputs_and_inputs)
+    return _program.rewrite_nodes(program, _unread_inputs.targets, _prune_outputs_and_inputs)
 
 
 def _prune_outputs_and_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -49,7 +49,7 @@ def _prune(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     read = sorted({_index(u) for u in node.users})
     if len(read) == len(vals) or not read:  # nothing to drop, or the whole node is dead (DCE's job)
         return False
-    if node.target in _loop_outputs.LOOPS:
+    if _program.is_loop(node):
         plan = _loop_outputs.plan(gm, node, read)
         if plan is None:
             return False

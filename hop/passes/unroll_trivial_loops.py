@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from hop._spec import Layout
 from hop.passes import _program
 from hop.passes._constants import UNKNOWN, evaluate, lifted_constants
 from hop.passes._program import Program
@@ -36,8 +37,8 @@ def unroll_trivial_loops(program: Program) -> Program:
 
     def unroll(gm: torch.fx.GraphModule, top: bool) -> bool:
         changed = False
-        for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _UNROLL]:
-            changed |= _UNROLL[node.target](gm, node, constants if top else {})
+        for node in [n for n in gm.graph.nodes if _program.is_loop(n)]:
+            changed |= _unrolled(gm, node, constants if top else {})
         if changed:
             _program.eliminate_dead_code(gm)
         return changed
@@ -45,10 +46,25 @@ def unroll_trivial_loops(program: Program) -> Program:
     return _program.apply(program, unroll)
 
 
-def _unroll(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: dict[str, Any]) -> bool:
-    cond_attr, body_attr, carries, additional = node.args
-    cond, body = _program.subgraph(gm, cond_attr), _program.subgraph(gm, body_attr)  # type: ignore[arg-type]
-    inputs: list[Any] = [*carries, *additional]  # type: ignore[misc]
+def _unrolled(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: dict[str, Any]) -> bool:
+    layout = _program.node_layout(node)
+    assert layout is not None
+    if layout.condition is not None:
+        return _unroll(gm, node, layout, constants)
+    if layout.xs is not None:
+        return _unroll_scan(gm, node, layout, constants)
+    return False
+
+
+def _unroll(gm: torch.fx.GraphModule, node: torch.fx.Node, layout: Layout, constants: dict[str, Any]) -> bool:
+    """A while_loop whose condition is false at once, or false after one step."""
+    assert layout.condition is not None and layout.carries is not None
+    assert layout.inputs is not None and layout.body is not None
+    args: tuple[Any, ...] = node.args
+    cond_attr, body_attr = args[layout.condition], args[layout.body]
+    carries, additional = args[layout.carries], args[layout.inputs]
+    cond, body = _program.subgraph(gm, cond_attr), _program.subgraph(gm, body_attr)
+    inputs: list[Any] = [*carries, *additional]
     if node.meta.get("unbacked_bindings") or any(n.op == "call_function" and n.is_impure() for n in cond.graph.nodes):
         return False
     if _tuple_valued(node) and any(u.target is not operator.getitem for u in node.users):
@@ -56,7 +72,7 @@ def _unroll(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: dict[str, 
     values = [evaluate(gm, i, constants, {}) for i in inputs]
     first = _holds(cond, values)
     if first is False:
-        _program.replace_results(node, [_copy(gm, node, c) for c in carries], tuple_valued=_tuple_valued(node))  # type: ignore[union-attr]
+        _program.replace_results(node, [_copy(gm, node, c) for c in carries], tuple_valued=_tuple_valued(node))
         return True
     known = _named(body, values)
     memo: dict[torch.fx.Node, Any] = {}
@@ -136,10 +152,12 @@ def _inline(
     return [env[o] if isinstance(o, torch.fx.Node) else o for o in outputs]
 
 
-def _unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, constants: dict[str, Any]) -> bool:
+def _unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, layout: Layout, constants: dict[str, Any]) -> bool:
     """A scan or map over ``xs`` of static length 0 or 1, replaced by what it computes."""
+    assert layout.xs is not None and layout.inputs is not None and layout.body is not None
     args: tuple[Any, ...] = node.args
-    body_attr, init, xs, additional = args[:4] if node.target is torch.ops.hop.scan else (args[0], (), *args[1:])
+    body_attr, xs, additional = args[layout.body], args[layout.xs], args[layout.inputs]
+    init = args[layout.carries] if layout.carries is not None else ()  # map: no carry
     vals: list[Any] = list(node.meta["val"]) if _tuple_valued(node) else [node.meta.get("val")]
     if node.meta.get("unbacked_bindings") or not xs or not all(isinstance(x, torch.fx.Node) for x in xs):
         return False
@@ -184,6 +202,3 @@ def _empty(gm: torch.fx.GraphModule, node: torch.fx.Node, like: torch.Tensor) ->
         )
     new.meta["val"] = like
     return new
-
-
-_UNROLL = {torch.ops.hop.while_loop: _unroll, torch.ops.hop.scan: _unroll_scan, torch.ops.hop.map: _unroll_scan}
