@@ -4,13 +4,13 @@ Note [the eager inline cache]
 The commonest call of cond and switch, in eager with nothing active (no mode, no
 transform: ``hop._transforms.nothing_active``, the cheap part of Note [plain eager];
 under user modes the long-hand Python paths serve it) and a validated signature,
-runs one branch on one tensor. What it must
-check on every call (the verdict's operand kind, the output's kind: Note [outputs
-are checked on every call]; whether the branches can read a tensor that requires
-grad: Note [untaken branches get zero gradients], which needs no node when they
-read nothing but the operand and the output's graph reaches it within a few nodes
-(:func:`reaches`); that the output does not alias the operand) costs, in Python, about what a Python ``if`` costs. So a call that
-found its verdict leaves an *entry* here, and later calls with the same branches
+runs one branch on one tensor. What it must check on every call (the verdict's
+operand kind, the output's kind: Note [outputs are checked on every call]; whether
+the branches can read a tensor that requires grad: Note [untaken branches get zero
+gradients], which needs no node when they read nothing but the operand and the
+output's graph reaches it within a few nodes, :func:`reaches`; that the output does
+not alias the operand) costs, in Python, about what a Python ``if`` costs. So a call
+that found its verdict leaves an *entry* here, and later calls with the same branches
 (the same code, for fresh lambdas too) and an operand of the same kind are run by
 :func:`cond` / :func:`switch`: hop's C module ``hop._fastpath`` where it is built
 (``pip install`` compiles it; it needs no torch headers), else the Python
