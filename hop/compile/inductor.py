@@ -212,6 +212,11 @@ def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: An
 #   package fails to compile (``redeclaration of buf5``).
 # So a loop's carried inputs, its outputs and its mutation outputs are never offered
 # for reuse: a later buffer allocates its own memory. No value changes.
+# - An additional input that is a view of a computed buffer (the slices a scan over
+#   dim -1 reads: a permute of its xs) gets one raw tensor handle before the loop,
+#   which the C++ wrapper wraps in a temporary owning handle at each use inside the
+#   loop: the first use frees it, the next reads freed memory (a segfault). Such an
+#   input is copied into a buffer of its own before the loop.
 
 
 def _lower_torch_while(torch_while: Fn, *args: Any, **kwargs: Any) -> Any:
@@ -219,6 +224,12 @@ def _lower_torch_while(torch_while: Fn, *args: Any, **kwargs: Any) -> Any:
     from torch._inductor import ir
     from torch._inductor.virtualized import V
 
+    if V.graph.cpp_wrapper and len(args) >= 4:
+        copied = [
+            ir.ExternKernel.copy_input(a) if isinstance(a, ir.TensorBox) and isinstance(a.data, ir.BaseView) else a
+            for a in args[3]
+        ]
+        args = (*args[:3], type(args[3])(copied), *args[4:])  # a list or a tuple, as given
     known_buffers, known_operations = len(V.graph.buffers), len(V.graph.operations)
     out = torch_while(*args, **kwargs)
     never = V.graph.never_reuse_buffers

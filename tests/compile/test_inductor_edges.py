@@ -297,3 +297,24 @@ def test_a_rewritten_branch_output_whose_size_is_spelled_otherwise() -> None:
     # last size is traced as (s**2)//s, and torch's cond (which hop's switch is rewritten
     # to) failed to merge the branches' strides ("not a simple accumulative multiplication")
     check(_switch_of_a_reversal, torch.randn(4, 2, 2), torch.randn(4, 2, 2), transforms=("eager", "compile_inductor"))
+
+
+def _last_dim_scan(s: torch.Tensor, reverse: bool) -> torch.Tensor:
+    carry, ys = hop.scan(lambda c, r: (c + r, r * c), s.sum(-1), s, dim=-1, reverse=reverse)
+    return ys + carry.unsqueeze(-1)
+
+
+def _scans_over_the_last_dim(x: torch.Tensor, y: torch.Tensor) -> Any:
+    a = _last_dim_scan(y * x, False)
+    _, w = hop.while_loop(
+        lambda i, a: (i < 0) & (a.reshape(-1)[:1].sum() < 0.5), lambda i, a: (i + 1, a), (torch.tensor(0), a)
+    )
+    return w, _last_dim_scan(y, True)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3)])
+def test_aoti_of_scans_over_the_last_dim(shape: tuple[int, ...]) -> None:
+    # found by the compiled fuzzer's long profile: the loop read its slices through a
+    # raw handle the C++ wrapper freed at the first use (a segfault), once the package
+    # built at all (it failed to, on a redeclared buffer)
+    check(_scans_over_the_last_dim, torch.randn(shape), torch.randn(shape), transforms=("eager", "aoti"))
