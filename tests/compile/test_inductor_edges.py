@@ -13,7 +13,7 @@ import torch
 import hop
 from hop.compile._torch_api import VERSION
 from hop.errors import CompileUnsupported
-from hop.testing import check
+from hop.testing import CheckFailure, check
 
 
 def _scans(xs: torch.Tensor) -> Any:
@@ -318,3 +318,24 @@ def test_aoti_of_scans_over_the_last_dim(shape: tuple[int, ...]) -> None:
     # raw handle the C++ wrapper freed at the first use (a segfault), once the package
     # built at all (it failed to, on a redeclared buffer)
     check(_scans_over_the_last_dim, torch.randn(shape), torch.randn(shape), transforms=("eager", "aoti"))
+
+
+def _switch_over_a_counted_loop_beside_an_int_carry(x: torch.Tensor, y: torch.Tensor) -> Any:
+    def branch(a: torch.Tensor) -> torch.Tensor:
+        looped = hop.fori_loop(2, torch.tensor(5), lambda i, c: x + 0.1 * i, torch.maximum(y, a))
+        return ((looped + looped.sum() * 0.1) * a).cos() + a
+
+    index = ((y.reshape(-1)[:1].sum() > 0).long() + 1) % 1
+    stopped = hop.while_loop(lambda i, a: (i < 0) & (a.reshape(-1)[:1].sum() < 0.5), lambda i, a: (i + 1, a), (0, y))
+    return hop.switch(index, [branch], (y,)), stopped[1]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=CheckFailure,
+    reason="open (issue 21, found by the compiled fuzzer's long profile, not minimized): Inductor raises "
+    "'HopRuntimeError: hop.compile: Inductor: 0 int outputs but 1 reads were rewritten'; loud, never a wrong value",
+)
+def test_a_switch_over_a_counted_loop_beside_an_int_carry() -> None:
+    args = (torch.tensor(1.3234434127807617), torch.tensor(0.27824223041534424))
+    check(_switch_over_a_counted_loop_beside_an_int_carry, *args, transforms=("eager", "compile_inductor"))
