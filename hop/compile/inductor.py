@@ -496,16 +496,26 @@ def _rewrite(node: torch.fx.Node, rewrite: Fn) -> None:
 def _rebind_items(added: Sequence[torch.fx.Node], bound: dict[Any, Any]) -> None:
     """Note [int outputs of branches]: the rewrite read each int output the hop node
     defined (``bound``: symbol -> its value, in output order) with one ``.item()``, in
-    that order; each read now defines the node's symbol instead of a fresh one."""
+    that order, after tracing the branches; each read now defines the node's symbol
+    instead of a fresh one. The reads are the last ones the rewrite traced: a switch
+    of one branch is inlined, and reads of that branch's own come before them."""
     items = [n for n in added if n.target is torch.ops.aten._local_scalar_dense.default]
-    if len(items) != len(bound):
+    if len(items) < len(bound):
         raise HopRuntimeError(
             format_message("compile", f"Inductor: {len(bound)} int outputs but {len(items)} reads were rewritten"),
             op="compile",
         )
-    for item, (symbol, val) in zip(items, bound.items(), strict=True):
+    reads = items[len(items) - len(bound) :]
+    for item, (symbol, val) in zip(reads, bound.items(), strict=True):
         item.meta["val"] = val
         item.meta["unbacked_bindings"] = {symbol: ()}
+    # The inlined branch's own reads: the retrace gave each a fresh symbol but no
+    # binding, and Inductor's fake-tensor update, rerunning them, could not tell the
+    # new symbol for the old one (it fails comparing the conditions that use them).
+    for item in items[: len(items) - len(bound)]:
+        val = item.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and "unbacked_bindings" not in item.meta:
+            item.meta["unbacked_bindings"] = {val.node.expr: ()}
 
 
 def _allow_scalar_outputs() -> None:

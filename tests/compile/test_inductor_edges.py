@@ -13,7 +13,7 @@ import torch
 import hop
 from hop.compile._torch_api import VERSION
 from hop.errors import CompileUnsupported
-from hop.testing import CheckFailure, check
+from hop.testing import check
 
 
 def _scans(xs: torch.Tensor) -> Any:
@@ -330,12 +330,34 @@ def _switch_over_a_counted_loop_beside_an_int_carry(x: torch.Tensor, y: torch.Te
     return hop.switch(index, [branch], (y,)), stopped[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckFailure,
-    reason="open (issue 21, found by the compiled fuzzer's long profile, not minimized): Inductor raises "
-    "'HopRuntimeError: hop.compile: Inductor: 0 int outputs but 1 reads were rewritten'; loud, never a wrong value",
-)
 def test_a_switch_over_a_counted_loop_beside_an_int_carry() -> None:
+    # found by the compiled fuzzer's long profile: a switch of one branch is inlined by
+    # the rewrite, so the loop's own .item() read came before the switch's int outputs
+    # ("0 int outputs but 1 reads were rewritten"); then, in the backward, Inductor's
+    # fake-tensor update failed on that read's symbol, which had no binding
     args = (torch.tensor(1.3234434127807617), torch.tensor(0.27824223041534424))
     check(_switch_over_a_counted_loop_beside_an_int_carry, *args, transforms=("eager", "compile_inductor"))
+
+
+def _one_branch_switch_over_a_loop(x: torch.Tensor, y: torch.Tensor) -> Any:
+    def branch(a: torch.Tensor) -> torch.Tensor:
+        return hop.fori_loop(0, torch.tensor(3), lambda i, c: c * x + i, a)
+
+    return hop.switch((y > 0).long() * 0, [branch], (y,))
+
+
+def _one_branch_switch_over_a_loop_beside_an_int(x: torch.Tensor, y: torch.Tensor) -> Any:
+    def branch(a: torch.Tensor) -> Any:
+        return hop.fori_loop(0, torch.tensor(3), lambda i, c: c * x + i, a), 2
+
+    looped, n = hop.switch((y > 0).long() * 0, [branch], (y,))
+    return looped * n
+
+
+@pytest.mark.parametrize(
+    "fn", [_one_branch_switch_over_a_loop, _one_branch_switch_over_a_loop_beside_an_int], ids=["alone", "beside_an_int"]
+)
+def test_a_one_branch_switch_over_a_loop_with_a_tensor_bound(fn: Any) -> None:
+    # the loop's bound is read with .item() inside the inlined branch: that read is not
+    # one of the switch's int outputs
+    check(fn, torch.tensor(0.5), torch.tensor(0.3), transforms=("eager", "compile_inductor"))
