@@ -27,7 +27,7 @@ from torch._C._functorch import TransformType
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hop import _dispatch, _spec, _transforms
-from hop.errors import HopTypeError, HopValueError, UnknownOperatorError, format_message, type_name
+from hop.errors import HopTypeError, HopValueError, UnknownOperatorError, format_message, not_a_sequence, type_name
 
 __all__ = ["HigherOrderOperator", "registered_ops"]
 
@@ -147,15 +147,7 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
         return _dispatch.call(self, args, kwargs)
 
     def _not_a_sequence(self, role: str, value: Any) -> NoReturn:
-        raise HopTypeError(
-            format_message(
-                self.name(),
-                f"{role} of torch.ops.hop.{self.name()} must be a tuple or list, got {type_name(value)}",
-                fix=f"Pass {role}=(x,) for a single one.",
-            ),
-            op=self.name(),
-            role=role,
-        )
+        raise not_a_sequence(self.name(), role, type_name(value), named=f"{role} of torch.ops.hop.{self.name()}")
 
     def dispatch(self, /, dispatch_key: DispatchKey, *args: Any, **kwargs: Any) -> Any:
         """Run at ``dispatch_key`` through hop's dispatcher (torch code may call this)."""

@@ -24,6 +24,7 @@ __all__ = [
     "UnknownOperatorError",
     "CompileUnsupported",
     "format_message",
+    "not_a_sequence",
     "type_name",
 ]
 
@@ -63,6 +64,13 @@ def type_name(value: object) -> str:
     if module == "builtins" or module == "torch" or module.startswith("torch."):
         return cls.__qualname__
     return f"{module}.{cls.__qualname__}"
+
+
+def not_a_sequence(op: str, role: str, got: str, *, named: str | None = None) -> HopTypeError:
+    """The error for an argument (``role``; ``named`` if the message spells it otherwise)
+    that must be a tuple or list and is a ``got``: every operator's operands and carries."""
+    what = f"{named or role} must be a tuple or list, got {got}"
+    return HopTypeError(format_message(op, what, fix=f"Pass {role}=(x,) for a single one."), op=op, role=role)
 
 
 class HopError(Exception):

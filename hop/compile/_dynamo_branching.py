@@ -40,7 +40,7 @@ from hop.compile._dynamo_values import (
     shown,
     unflatten,
 )
-from hop.errors import HopTypeError, HopValueError, format_message, type_name
+from hop.errors import HopTypeError, HopValueError, format_message, not_a_sequence, type_name
 from hop.ops import _branching as br
 from hop.ops import cond as cond_module
 from hop.ops import switch as switch_module
@@ -93,15 +93,7 @@ def _check_call(name: str, roles: Sequence[str], fns: Sequence[Any], operands: V
                 format_message(name, f"{role} must be callable, got {type_name(fn)}"), op=name, role=role
             )
     if not isinstance(operands, BaseListVariable) or operands.python_type() not in (tuple, list):
-        raise HopTypeError(
-            format_message(
-                name,
-                f"operands must be a tuple or list, got {type_name(shown(operands))}",
-                fix="Pass operands=(x,) for a single operand.",
-            ),
-            op=name,
-            role="operands",
-        )
+        raise not_a_sequence(name, "operands", type_name(shown(operands)))
 
 
 def _add_empty_output(tx: Any, graph: torch.fx.Graph) -> None:

@@ -34,6 +34,7 @@ from hop.errors import (
     HopTypeError,
     OutputMismatchError,
     format_message,
+    not_a_sequence,
     type_name,
 )
 from hop.ops._zero_grads import zero_untaken
@@ -196,15 +197,7 @@ def check_operands(name: str, operands: Any) -> None:
     """``operands`` is a tuple or list of pytrees of tensors and ints (also on the
     paths that run a branch directly, so a bare tensor is never unpacked row by row)."""
     if not isinstance(operands, (tuple, list)):
-        raise HopTypeError(
-            format_message(
-                name,
-                f"operands must be a tuple or list, got {type_name(operands)}",
-                fix="Pass operands=(x,) for a single operand.",
-            ),
-            op=name,
-            role="operands",
-        )
+        raise not_a_sequence(name, "operands", type_name(operands))
     for x in operands:
         if type(x) is not _Tensor and type(x) is not int:  # else flat and plain: nothing to walk
             _check_leaves(name, operands, _pytree.flatten(tuple(operands))[0])

@@ -18,7 +18,7 @@ import torch
 
 from hop import _validation as validation
 from hop import subgraph as _subgraph
-from hop.errors import HopTypeError, format_message, type_name
+from hop.errors import HopTypeError, format_message, not_a_sequence, type_name
 
 Fn = Callable[..., Any]
 NAME = "while_loop"
@@ -31,15 +31,7 @@ def check_arguments(cond_fn: Any, body_fn: Any, carried_inputs: Any) -> None:
                 format_message(NAME, f"{role} must be callable, got {type_name(fn)}"), op=NAME, role=role
             )
     if not isinstance(carried_inputs, (tuple, list)):
-        raise HopTypeError(
-            format_message(
-                NAME,
-                f"carried_inputs must be a tuple or list, got {type_name(carried_inputs)}",
-                fix="Pass carried_inputs=(x,) for a single carry.",
-            ),
-            op=NAME,
-            role="carried_inputs",
-        )
+        raise not_a_sequence(NAME, "carried_inputs", type_name(carried_inputs))
     for path, leaf in zip(
         _subgraph.leaf_paths(tuple(carried_inputs), "carried_inputs"),
         _subgraph.flatten(tuple(carried_inputs))[0],
