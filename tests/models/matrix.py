@@ -13,12 +13,19 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
 
 Case = tuple[Any, ...]
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def sharing(twin: M, model: torch.nn.Module) -> M:
+    """``twin`` (a model's twin: its plain-Python version, or a variant) with ``model``'s parameters."""
+    twin.load_state_dict(model.state_dict())
+    return twin
 
 
 def assert_same(actual: Any, expected: Any, what: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from matrix import check_aoti, check_compile, check_compile_grad, check_compile_training, check_export
+from matrix import check_aoti, check_compile, check_compile_grad, check_compile_training, check_export, sharing
 from torch.export import Dim
 
 import hop
@@ -98,9 +98,7 @@ def make() -> tuple[ACTRNN, list[tuple[torch.Tensor]]]:
 
 
 def twin_of(model: ACTRNN) -> PythonACTRNN:
-    twin = PythonACTRNN()
-    twin.load_state_dict(model.state_dict())
-    return twin
+    return sharing(PythonACTRNN(), model)
 
 
 def test_eager_equals_the_python_twin() -> None:

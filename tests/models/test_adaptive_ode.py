@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from matrix import check_aoti, check_compile, check_compile_grad, check_export
+from matrix import check_aoti, check_compile, check_compile_grad, check_export, sharing
 
 import hop
 
@@ -68,8 +68,7 @@ def make() -> tuple[AdaptiveODE, list[tuple[torch.Tensor, torch.Tensor]]]:
 
 def test_eager_equals_the_python_twin() -> None:
     model, cases = make()
-    twin = PythonODE()
-    twin.load_state_dict(model.state_dict())
+    twin = sharing(PythonODE(), model)
     for case in cases:
         torch.testing.assert_close(model(*case), twin(*case))
 
@@ -99,8 +98,7 @@ def test_aoti_package_equals_eager(tmp_path: Path) -> None:
 def test_vmap_and_jvp_equal_the_python_twin() -> None:
     # vmap over tolerances: each example takes its own steps and rejections
     model, cases = make()
-    twin = PythonODE()
-    twin.load_state_dict(model.state_dict())
+    twin = sharing(PythonODE(), model)
     y0s = torch.stack([y0 for y0, _ in cases])
     tols = torch.stack([tol for _, tol in cases])
     want = torch.stack([twin(y0, tol) for y0, tol in cases])  # the twin's Python while cannot be vmapped

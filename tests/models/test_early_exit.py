@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from matrix import check_aoti, check_compile, check_compile_grad, check_export
+from matrix import check_aoti, check_compile, check_compile_grad, check_export, sharing
 from torch.export import Dim
 
 import hop
@@ -86,8 +86,7 @@ def make() -> tuple[EarlyExit, list[tuple[torch.Tensor]]]:
 
 def test_eager_equals_the_python_twin() -> None:
     model, cases = make()
-    twin = PythonEarlyExit()
-    twin.load_state_dict(model.state_dict())
+    twin = sharing(PythonEarlyExit(), model)
     used = set()
     for case in cases:
         got, want = model(*case), twin(*case)
@@ -127,15 +126,13 @@ class IndexedEarlyExit(EarlyExit):
 
 def test_weights_indexed_by_the_int_carry_export_non_strict() -> None:
     model, cases = make()
-    indexed = IndexedEarlyExit()
-    indexed.load_state_dict(model.state_dict())
+    indexed = sharing(IndexedEarlyExit(), model)
     check_export(indexed, cases[0], cases, dynamic_shapes=DYNAMIC, strict_modes=(False,))
 
 
 def test_vmap_and_jvp_equal_the_python_twin() -> None:
     model, cases = make()
-    twin = PythonEarlyExit()
-    twin.load_state_dict(model.state_dict())
+    twin = sharing(PythonEarlyExit(), model)
     # vmap over groups of sequences: each group would exit after its own number of
     # layers, which one Python int layer counter cannot hold: a clear error
     groups = torch.stack([case[0][:2, :3] for case in cases])

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from matrix import check_aoti, check_compile, check_compile_grad, check_compile_training, check_export
+from matrix import check_aoti, check_compile, check_compile_grad, check_compile_training, check_export, sharing
 
 import hop
 from hop.errors import HopError
@@ -78,8 +78,7 @@ def make(choose: str = "hop") -> tuple[ImplicitLayer, list[tuple[torch.Tensor]]]
 
 
 def twin_of(model: ImplicitLayer) -> PythonImplicitLayer:
-    twin = PythonImplicitLayer()
-    twin.load_state_dict(model.state_dict())
+    twin = sharing(PythonImplicitLayer(), model)
     return twin
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from matrix import check_compile, check_compile_grad, check_export
+from matrix import check_compile, check_compile_grad, check_export, sharing
 from torch.export import Dim
 
 import hop
@@ -66,8 +66,7 @@ def make() -> tuple[MaskedLSTM, list[tuple[torch.Tensor, torch.Tensor]]]:
 
 
 def twin_of(model: MaskedLSTM) -> PythonMaskedLSTM:
-    twin = PythonMaskedLSTM()
-    twin.load_state_dict(model.state_dict())
+    twin = sharing(PythonMaskedLSTM(), model)
     return twin
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from matrix import check_aoti, check_compile, check_compile_grad, check_export
+from matrix import check_aoti, check_compile, check_compile_grad, check_export, sharing
 
 import hop
 from hop.errors import CompileUnsupported
@@ -47,8 +47,7 @@ def make() -> tuple[MoE, list[tuple[torch.Tensor]]]:
 
 def test_eager_equals_the_python_twin() -> None:
     model, cases = make()
-    twin = PythonMoE()
-    twin.load_state_dict(model.state_dict())
+    twin = sharing(PythonMoE(), model)
     for case in cases:
         torch.testing.assert_close(model(*case), twin(*case))
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from matrix import check_aoti, check_compile, check_compile_grad, check_compile_training, check_export
+from matrix import check_aoti, check_compile, check_compile_grad, check_compile_training, check_export, sharing
 from torch.export import Dim
 
 import hop
@@ -76,8 +76,7 @@ def make(mode: str) -> tuple[SelectiveScan, list[tuple[torch.Tensor]]]:
 
 
 def twin_of(model: SelectiveScan) -> PythonSelectiveScan:
-    twin = PythonSelectiveScan(model.mode)
-    twin.load_state_dict(model.state_dict())
+    twin = sharing(PythonSelectiveScan(model.mode), model)
     return twin
 
 
