@@ -41,7 +41,7 @@ from hop.compile._dynamo_values import (
     unflatten,
 )
 from hop.errors import HopTypeError, HopValueError, format_message, not_a_sequence, type_name
-from hop.ops import _branching as br
+from hop.ops import _branching
 from hop.ops import cond as cond_module
 from hop.ops import switch as switch_module
 
@@ -49,7 +49,7 @@ __all__ = ["HANDLERS"]
 
 
 class _BranchingVariable(HopVariable):
-    branching: br.Branching
+    branching: _branching.Branching
 
     def capture(self, tx: Any, sel: VT, branches: Sequence[VT], operands: VT) -> VT:
         """One node running the branch ``sel`` picks (``sel`` checked by the caller)."""
@@ -58,7 +58,7 @@ class _BranchingVariable(HopVariable):
         fns = [callable_stand_in(tx, fn) for fn in branches]
         _check_call(name, roles, fns, operands)
         leaves, _ = flatten(tx, operands)
-        br._check_leaves(name, example_tree(tx, operands), [example(leaf) for leaf in leaves])
+        _branching._check_leaves(name, example_tree(tx, operands), [example(leaf) for leaf in leaves])
         subs = [
             speculate(tx, self.value, role, fn, items(tx, operands)) for role, fn in zip(roles, branches, strict=True)
         ]

@@ -69,7 +69,7 @@ def as_tuple(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def like(out: Any, flat: Sequence[Any]) -> Any:
+def same_form(out: Any, flat: Sequence[Any]) -> Any:
     """``flat`` in the raw op's output convention: a bare value for one leaf, else a tuple."""
     return tuple(flat) if isinstance(out, tuple) else flat[0]
 
@@ -80,7 +80,7 @@ def no_alias(out: Any, operands: Sequence[Any]) -> Any:
     suspect = any(_effects.may_alias(o, operands) for o in flat) or len(flat) > 1
     if not suspect:
         return out
-    return like(out, _effects.clone_aliases(flat, operands))
+    return same_form(out, _effects.clone_aliases(flat, operands))
 
 
 class _Outputs:

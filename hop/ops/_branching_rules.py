@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hop import _closures, _effects, _lifting, _observe, _output_checks, _pytree, _tracing, _transforms
 from hop._unbacked import Unifier, assert_ranges, dense_order, recording
 from hop.errors import HopValueError, format_message
-from hop.ops._branching import Branching, Fn, as_tuple, like, no_alias
+from hop.ops._branching import Branching, Fn, as_tuple, no_alias, same_form
 from hop.ops._common import check_effects, differentiable, refuse_legacy_onnx, save_operands, saved_operands
 from hop.ops._zero_grads import only_vmap_levels, zero_untaken
 
@@ -59,7 +59,7 @@ def _run_all_and_merge(b: Branching, branches: Sequence[Fn], operands: Sequence[
     roles = b.roles(len(branches))
     _output_checks.check_same_outputs(b.name, roles, outs, fns=branches)
     merged = Unifier(b.name, roles, shape_env).outputs(outs)
-    return like(raw[0], _effects.clone_aliases(list(merged), operands))
+    return same_form(raw[0], _effects.clone_aliases(list(merged), operands))
 
 
 def inline(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
@@ -201,7 +201,7 @@ def vmap(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], opera
     batched = [torch.vmap(fn, in_dims=tuple(dims), randomness=interpreter.randomness()) for fn in branches]
     with interpreter.lower():
         out = b.call(sel_u, batched, unwrapped)
-    return like(out, _transforms.add_batch_dims(as_tuple(out), level))
+    return same_form(out, _transforms.add_batch_dims(as_tuple(out), level))
 
 
 def _select_batched(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
@@ -228,7 +228,7 @@ def _select_batched(b: Branching, sel: Any, branches: Sequence[Fn], operands: Se
             raise _batched_mismatch(b, roles, i, col)
         else:
             selected.append(_where_chain(masks, col))
-    return like(raw[0], selected)
+    return same_form(raw[0], selected)
 
 
 def _version(x: Any) -> int:

@@ -138,23 +138,24 @@ def _same_size(a: Any, b: Any) -> bool:
     return bool(statically_known_true(a == b))
 
 
-def not_a_pair(L: Names, fn: Fn, out: Any) -> HopTypeError:
+def not_a_pair(looping: Names, fn: Fn, out: Any) -> HopTypeError:
     got = f"a {type(out).__name__} of length {len(out)}" if isinstance(out, _PAIR) else type_name(out)
     return HopTypeError(
         format_message(
-            L.name,
-            f"{L.role} must return a (next_carry, y) pair, got {got} ({L.role} is {_output_checks.describe_fn(fn)})",
+            looping.name,
+            f"{looping.role} must return a (next_carry, y) pair, got {got} "
+            f"({looping.role} is {_output_checks.describe_fn(fn)})",
             fix="Return a tuple (next_carry, y); use () or None for an empty carry or no y.",
         ),
-        op=L.name,
-        role=L.role,
+        op=looping.name,
+        role=looping.role,
     )
 
 
-def check_carry(L: Names, fn: Fn, init: Any, carry: Any) -> list[Any]:
+def check_carry(looping: Names, fn: Fn, init: Any, carry: Any) -> list[Any]:
     """``carry``'s leaves, after checking it has ``init``'s structure, dtypes, devices and shapes."""
-    fix = f"{L.role} must return a next_carry with the structure, dtypes, devices and shapes of init."
-    return check_like(L.name, L.role, fn, init, carry, "carry", "init and next_carry", fix)
+    fix = f"{looping.role} must return a next_carry with the structure, dtypes, devices and shapes of init."
+    return check_like(looping.name, looping.role, fn, init, carry, "carry", "init and next_carry", fix)
 
 
 def check_like(name: str, role: str, fn: Fn, ref: Any, out: Any, root: str, pair: str, fix: str = "") -> list[Any]:
@@ -222,16 +223,16 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def ys_error(L: Names, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopValueError | None:
+def ys_error(looping: Names, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopValueError | None:
     """Why the outputs of the iterations cannot be stacked along ``dim``."""
-    where = f"({L.role} is {_output_checks.describe_fn(fn)})"
+    where = f"({looping.role} is {_output_checks.describe_fn(fn)})"
     first, spec = flatten_dropping_none(ys[0])
     for path, leaf in zip(leaf_paths_dropping_none(ys[0], root), first, strict=True):
         if not isinstance(leaf, _Tensor):
-            return _ys_fail(L, f"must be a tensor, got {type_name(leaf)} {where}", path, "Return tensors.")
+            return _ys_fail(looping, f"must be a tensor, got {type_name(leaf)} {where}", path, "Return tensors.")
         if not -leaf.dim() - 1 <= dim <= leaf.dim():
             return _ys_fail(
-                L,
+                looping,
                 f"a tensor of rank {leaf.dim()} cannot be stacked along dim {dim} {where}",
                 path,
                 f"Return tensors of rank >= {dim if dim >= 0 else -dim - 1} or scan along another dim.",
@@ -240,7 +241,7 @@ def ys_error(L: Names, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopVal
         leaves, other = flatten_dropping_none(y)
         if other != spec:
             return _ys_fail(
-                L,
+                looping,
                 f"iterations 0 and {i} return different structures: {_spec_str(spec)} vs {_spec_str(other)} {where}",
                 root,
                 "Return the same structure in every iteration.",
@@ -249,7 +250,7 @@ def ys_error(L: Names, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopVal
             diff = leaf_difference(a, b)
             if diff is not None:
                 return _ys_fail(
-                    L,
+                    looping,
                     f"iterations 0 and {i} differ: {diff} {where}",
                     path,
                     "Every iteration must return tensors of the same dtype, device and shape.",
@@ -257,51 +258,57 @@ def ys_error(L: Names, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> HopVal
     return None
 
 
-def _ys_fail(L: Names, what: str, path: str, fix: str) -> HopValueError:
+def _ys_fail(looping: Names, what: str, path: str, fix: str) -> HopValueError:
     return HopValueError(
-        format_message(L.name, what, role=L.role, path=path, fix=fix), op=L.name, role=L.role, path=path
+        format_message(looping.name, what, role=looping.role, path=path, fix=fix),
+        op=looping.name,
+        role=looping.role,
+        path=path,
     )
 
 
-def on_fake(L: Names, fn: Fn, leaves: Sequence[Any], make: Callable[[list[Any]], Any]) -> Any:
+def on_fake(looping: Names, fn: Fn, leaves: Sequence[Any], make: Callable[[list[Any]], Any]) -> Any:
     """``make(fake leaves)`` on static fake copies of ``leaves``: the output metadata of an empty loop."""
     with _validation.fake_inputs(leaves) as fake:
         try:
             _validation.check_hooks(fn)
             return make(fake)
         except _validation.CANNOT_FAKE as e:
-            raise _no_empty_metadata(L, fn, e) from e
+            raise _no_empty_metadata(looping, fn, e) from e
 
 
-def _no_empty_metadata(L: Names, fn: Fn, e: Exception) -> HopRuntimeError:
+def _no_empty_metadata(looping: Names, fn: Fn, e: Exception) -> HopRuntimeError:
     """The error for an empty loop whose function cannot run on fake tensors."""
     hooked = isinstance(e, _validation.HookedModule)  # Note [module hooks do not see validation]
     why = f"{type(e).__name__} ({e})" if hooked else type(e).__name__
     avoid = "calling modules with forward hooks" if hooked else "data-dependent shapes"
     return _empty_loop_error(
-        L,
-        f"the shapes of the outputs cannot be found without running {L.role} ({_output_checks.describe_fn(fn)}), "
+        looping,
+        f"the shapes of the outputs cannot be found without running {looping.role} ({_output_checks.describe_fn(fn)}), "
         f"which fails on fake tensors: {why}",
         f"Scan over a non-empty dimension, or avoid {avoid} in the function.",
     )
 
 
-def _empty_loop_error(L: Names, what: str, fix: str, path: str | None = None) -> HopRuntimeError:
+def _empty_loop_error(looping: Names, what: str, fix: str, path: str | None = None) -> HopRuntimeError:
     """``xs has length 0, and <what>``: the outputs of an empty loop cannot be built."""
     return HopRuntimeError(
-        format_message(L.name, f"xs has length 0, and {what}", fix=fix), op=L.name, role=L.role, path=path
+        format_message(looping.name, f"xs has length 0, and {what}", fix=fix),
+        op=looping.name,
+        role=looping.role,
+        path=path,
     )
 
 
-def check_static(L: Names, fn: Fn, ys: Sequence[Any], paths: Sequence[str]) -> None:
+def check_static(looping: Names, fn: Fn, ys: Sequence[Any], paths: Sequence[str]) -> None:
     """The ``ys`` of a loop of length 0, run once on fake tensors: their sizes must not
     depend on data, since no step gives them (and torch.empty cannot take a symbol)."""
     for path, y in zip(paths, ys, strict=True):
         if not all(type(s) is int for s in y.shape):
             raise _empty_loop_error(
-                L,
-                f"{L.role} ({_output_checks.describe_fn(fn)}) returns {path} of a data-dependent shape "
+                looping,
+                f"{looping.role} ({_output_checks.describe_fn(fn)}) returns {path} of a data-dependent shape "
                 f"{tuple(y.shape)}: the shape of the empty output cannot be known",
-                f"Loop over a non-empty dimension, or make the shapes of {L.role}'s outputs data-independent.",
+                f"Loop over a non-empty dimension, or make the shapes of {looping.role}'s outputs data-independent.",
                 path,
             )

@@ -23,12 +23,12 @@ from hop.ops._loop_checks import Fn, Names, ys_error
 _Tensor = torch.Tensor
 
 
-def pack(flat: Sequence[Any]) -> Any:
+def raw_output(flat: Sequence[Any]) -> Any:
     """The raw ops' output convention: a bare value for one leaf, else a tuple."""
     return flat[0] if len(flat) == 1 else tuple(flat)
 
 
-def stack_ys(L: Names, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> Any:
+def stack_ys(looping: Names, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> Any:
     """The outputs of every iteration, each leaf stacked along ``dim``."""
     try:
         if isinstance(ys[0], _Tensor):
@@ -37,7 +37,7 @@ def stack_ys(L: Names, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> Any:
             lambda *col: torch.stack(_same_dtype(col), dim), *ys, none_is_leaf=False, namespace="torch"
         )
     except (RuntimeError, TypeError, ValueError, IndexError) as e:
-        raise ys_error(L, fn, ys, dim, root) or e from None
+        raise ys_error(looping, fn, ys, dim, root) or e from None
 
 
 def _same_dtype(col: Sequence[Any]) -> list[Any]:

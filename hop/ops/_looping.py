@@ -1,4 +1,4 @@
-"""What scan and map share: the body convention, the family's record and every rule.
+"""What scan and map share: the body convention, the looping's record and every rule.
 
 The raw ops take flat leaves::
 
@@ -44,7 +44,7 @@ from hop.ops import _common, _graph_step
 from hop.ops._branching import as_tuple
 from hop.ops._common import check_effects, differentiable, save_operands, saved_operands
 from hop.ops._loop_checks import LENGTH, check_carry, check_static, on_fake
-from hop.ops._loop_values import empty_slices, no_alias, pack
+from hop.ops._loop_values import empty_slices, no_alias, raw_output
 from hop.ops._scan_derivatives import scan_jvp, scan_vjp
 
 Fn = Callable[..., Any]
@@ -76,16 +76,16 @@ def runs_inline(n: Any, *groups: Sequence[Any]) -> bool:
 
 
 def dense(
-    L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+    looping: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
 ) -> Any:
     """The loop over dim 0 of ``xs``, at the current level (Note [scans run inline])."""
     # Note [traced bodies see contiguous values]
     traced = isinstance(body, torch.fx.GraphModule)
     columns = [(x.contiguous() if traced else x).unbind(0) for x in xs]
     n = len(columns[0])  # an int also under torch.jit.trace (Note [sizes under jit.trace])
-    _common.refuse_legacy_onnx(L.name, LENGTH)
+    _common.refuse_legacy_onnx(looping.name, LENGTH)
     if n == 0:
-        return _empty(L, body, init, xs, additional)
+        return _empty(looping, body, init, xs, additional)
     nc = len(init)
     # a traced body has no module hooks: skip nn.Module's call path (Note [running a traced body per step])
     step = (_graph_step.step_function(body) or body.forward) if isinstance(body, torch.fx.GraphModule) else body
@@ -96,39 +96,39 @@ def dense(
         carry, ys[i] = (tuple(c.contiguous() for c in out[:nc]) if traced else out[:nc]), out[nc:]
     stacked = [torch.stack(col) for col in zip(*ys, strict=True)]
     carry = [c.contiguous() for c in carry]  # as the fake rule says
-    return pack([*no_alias(carry, [*init, *xs, *additional]), *stacked])
+    return raw_output([*no_alias(carry, [*init, *xs, *additional]), *stacked])
 
 
-def _empty(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> Any:
+def _empty(looping: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> Any:
     """A loop of length 0: ``init`` (cloned) and empty ``ys`` shaped by one fake run of the body."""
     nc = len(init)
 
     def run(fake: list[Any]) -> list[Any]:
         out = as_tuple(body(*fake[:nc], *empty_slices(xs, [0] * len(xs)), *fake[nc:]))
-        check_static(L, body, out[nc:], [f"ys[{i}]" for i in range(len(out) - nc)])
+        check_static(looping, body, out[nc:], [f"ys[{i}]" for i in range(len(out) - nc)])
         return [(y.shape, y.dtype, y.device) for y in out[nc:]]
 
-    metas = on_fake(L, body, [*init, *additional], run)
+    metas = on_fake(looping, body, [*init, *additional], run)
     ys = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype, device in metas]
-    return pack([*(c.clone(memory_format=torch.contiguous_format) for c in init), *ys])
+    return raw_output([*(c.clone(memory_format=torch.contiguous_format) for c in init), *ys])
 
 
 def autograd(
-    L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+    looping: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
 ) -> Any:
     """Inline for real tensors (Note [scans run inline]), else one node differentiated by scans;
     what the body closes over and needs grad for becomes additional inputs of the node
     (Note [closure conversion] in hop._closures: a node differentiates its inputs only)."""
     if runs_inline(xs[0].shape[0], init, xs, additional):
-        return dense(L, body, init, xs, additional, reverse)
+        return dense(looping, body, init, xs, additional, reverse)
     (body,), captured = _closures.convert_closures([body], [*init, *xs, *additional])
     additional = (*additional, *captured)
     counts = (len(init), len(xs), len(additional))
-    return _ScanFunction.apply(L, body, reverse, counts, *init, *xs, *additional)  # type: ignore[no-untyped-call]
+    return _ScanFunction.apply(looping, body, reverse, counts, *init, *xs, *additional)  # type: ignore[no-untyped-call]
 
 
 def transform(
-    L: Looping,
+    looping: Looping,
     interpreter: Any,
     body: Fn,
     init: Sequence[Any],
@@ -143,11 +143,11 @@ def transform(
         body, extra = lift_transform_closures(body, interpreter.level())
         additional = (*additional, *extra)
         if type(n) is int and n == 0:
-            return _empty_here(L, body, init, xs, additional)
-    return autograd(L, body, init, xs, additional, reverse)
+            return _empty_here(looping, body, init, xs, additional)
+    return autograd(looping, body, init, xs, additional, reverse)
 
 
-def _empty_here(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> Any:
+def _empty_here(looping: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any]) -> Any:
     """A loop of length 0 at this transform's level: the carries pass through (their
     tangents and gradients with them) and the empty ``ys`` are shaped by the body
     itself, run on plain stand-ins (never on its derivative, which may not fake)."""
@@ -158,8 +158,8 @@ def _empty_here(L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], ad
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
     with temporarily_clear_interpreter_stack():  # the stand-ins are plain: so is their run
-        shaped = as_tuple(_empty(L, body, stand_ins(init), stand_ins(xs), stand_ins(additional)))
-    return pack([*(c.clone() for c in init), *shaped[len(init) :]])
+        shaped = as_tuple(_empty(looping, body, stand_ins(init), stand_ins(xs), stand_ins(additional)))
+    return raw_output([*(c.clone() for c in init), *shaped[len(init) :]])
 
 
 def lift_transform_closures(body: Fn, level: int) -> tuple[Fn, list[Any]]:
@@ -201,7 +201,7 @@ def lift_closures(body: Fn, examples: Callable[[], Sequence[Any]]) -> tuple[Fn, 
 
 
 def vmap(
-    L: Looping,
+    looping: Looping,
     interpreter: Any,
     body: Fn,
     init: Sequence[Any],
@@ -215,14 +215,14 @@ def vmap(
     moved to dim 1 (dim 0 is scanned), ``ys`` come back batched at dim 1.
     """
     if runs_inline(xs[0].shape[0], init, xs, additional):
-        return dense(L, body, init, xs, additional, reverse)
+        return dense(looping, body, init, xs, additional, reverse)
     level = interpreter.level()
     init_u, init_d = _transforms.unwrap_batched(init, level)
     xs_u, xs_d = _transforms.unwrap_batched(xs, level)
     add_u, add_d = _transforms.unwrap_batched(additional, level)
     if all(d is None for d in (*init_d, *xs_d, *add_d)):
         with interpreter.lower():
-            return L.call(body, init_u, xs_u, add_u, reverse)
+            return looping.call(body, init_u, xs_u, add_u, reverse)
     size = interpreter.batch_size()
     init_b = [
         v.unsqueeze(0).expand(size, *v.shape) if d is None else v.movedim(d, 0)
@@ -232,23 +232,37 @@ def vmap(
     in_dims = (*[0] * len(init), *[None if d is None else 0 for d in xs_d], *add_d)
     batched = torch.vmap(body, in_dims=in_dims, randomness=interpreter.randomness())
     with interpreter.lower():
-        out = as_tuple(L.call(batched, init_b, xs_b, add_u, reverse))
+        out = as_tuple(looping.call(batched, init_b, xs_b, add_u, reverse))
     nc = len(init)
-    return pack([_add_batch_dim(o, 0 if k < nc else 1, level) for k, o in enumerate(out)])
+    return raw_output([_add_batch_dim(o, 0 if k < nc else 1, level) for k, o in enumerate(out)])
 
 
 def functionalize(
-    L: Looping, ctx: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+    looping: Looping,
+    ctx: Any,
+    body: Fn,
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    additional: Sequence[Any],
+    reverse: bool,
 ) -> Any:
     """Functionalize the body and call the op on the unwrapped operands."""
     init_u, xs_u, add_u = (ctx.unwrap_tensors(list(v)) for v in (init, xs, additional))
     with ctx.redispatch_to_next():
-        out = L.call(_effects.functionalize_body(ctx, body, L.name, L.role), init_u, xs_u, add_u, reverse)
+        out = looping.call(
+            _effects.functionalize_body(ctx, body, looping.name, looping.role), init_u, xs_u, add_u, reverse
+        )
     return ctx.wrap_tensors(out)
 
 
 def fake(
-    L: Looping, mode: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+    looping: Looping,
+    mode: Any,
+    body: Fn,
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    additional: Sequence[Any],
+    reverse: bool,
 ) -> Any:
     """Output metadata: the body once on fake slices; ``ys`` get the scanned length in front."""
     with mode:
@@ -257,16 +271,16 @@ def fake(
         out, local = run_in_subgraph(
             shape_env, lambda: as_tuple(body(*init, *empty_slices(xs, [0] * len(xs)), *additional))
         )
-        check_carry(L, body, list(init), list(out[:nc]))
+        check_carry(looping, body, list(init), list(out[:nc]))
         if any(isinstance(s, torch.SymInt) and s.node.expr.free_symbols & local for y in out[nc:] for s in y.shape):
-            _check_same_size_every_step(L, body, init, xs, additional, len(out))
+            _check_same_size_every_step(looping, body, init, xs, additional, len(out))
         n = xs[0].shape[0]
         ys = [rebind_sizes(y.new_empty((n, *y.shape)), shape_env, local) for y in out[nc:]]
-        return pack([*(torch.empty_like(c, memory_format=torch.contiguous_format) for c in init), *ys])
+        return raw_output([*(torch.empty_like(c, memory_format=torch.contiguous_format) for c in init), *ys])
 
 
 def _check_same_size_every_step(
-    L: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], n_out: int
+    looping: Looping, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], n_out: int
 ) -> None:
     """Refuse ys whose size is computed from the carry or the slices: it may differ
     between steps. A size computed from the other inputs alone is the same in every step."""
@@ -278,17 +292,17 @@ def _check_same_size_every_step(
         path = f"ys[{k - len(init)}]"
         raise HopValueError(
             format_message(
-                L.name,
+                looping.name,
                 f"the size {d} of this output is data dependent ({sym}) and computed from the "
                 f"{'carry or the ' if init else ''}slice of xs, so it may differ between steps and the outputs "
                 "cannot be stacked",
-                role=L.role,
+                role=looping.role,
                 path=path,
                 fix="Pad to a fixed size (and return the length separately), or compute the size from tensors that "
                 "are not scanned.",
             ),
-            op=L.name,
-            role=L.role,
+            op=looping.name,
+            role=looping.role,
             path=path,
         )
 
@@ -318,16 +332,26 @@ def _example_slice(x: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
 
 
 def proxy(
-    L: Looping, mode: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool
+    looping: Looping,
+    mode: Any,
+    body: Fn,
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    additional: Sequence[Any],
+    reverse: bool,
 ) -> Any:
     """Trace the body on fresh example values (lifting what it closes over) and record one node."""
     (gm,), lifted = _lifting.trace_branches([body], examples(init, xs, additional))
-    check_body_effects(L.name, L.role, body, gm)
+    check_body_effects(looping.name, looping.role, body, gm)
     all_additional = (*additional, *lifted)
     with recording() as fresh:
-        out = L.call(gm, init, xs, all_additional, reverse)  # the proxy mode is popped: this reaches the fake rule
-    result = _tracing.emit(mode, L.op, L.node_args(gm, tuple(init), tuple(xs), all_additional, reverse), out)
-    assert_ranges(mode, L.name, result, fresh, why=f"the range {L.role} gives it")
+        out = looping.call(
+            gm, init, xs, all_additional, reverse
+        )  # the proxy mode is popped: this reaches the fake rule
+    result = _tracing.emit(
+        mode, looping.op, looping.node_args(gm, tuple(init), tuple(xs), all_additional, reverse), out
+    )
+    assert_ranges(mode, looping.name, result, fresh, why=f"the range {looping.role} gives it")
     return result
 
 
@@ -351,27 +375,29 @@ class _ScanFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(L: Looping, body: Fn, reverse: bool, counts: tuple[int, int, int], *operands: Any) -> Any:
+    def forward(looping: Looping, body: Fn, reverse: bool, counts: tuple[int, int, int], *operands: Any) -> Any:
         init, xs, additional = _split(operands, counts)
-        return L.call(body, init, xs, additional, reverse)
+        return looping.call(body, init, xs, additional, reverse)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.L, ctx.body, ctx.reverse, ctx.counts, *operands = inputs
+        ctx.looping, ctx.body, ctx.reverse, ctx.counts, *operands = inputs
         ctx.out_diff = [differentiable(o) for o in as_tuple(output)]
         save_operands(ctx, operands)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         init, xs, additional = _split(saved_operands(ctx), ctx.counts)
-        named = (ctx.L.name, ctx.L.role)
-        grads_in = scan_vjp(ctx.L.scan, ctx.body, init, xs, additional, ctx.reverse, grads, ctx.out_diff, named=named)
+        named = (ctx.looping.name, ctx.looping.role)
+        grads_in = scan_vjp(
+            ctx.looping.scan, ctx.body, init, xs, additional, ctx.reverse, grads, ctx.out_diff, named=named
+        )
         return (None, None, None, None, *grads_in)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         init, xs, additional = _split(saved_operands(ctx), ctx.counts)
-        return scan_jvp(ctx.L.call, ctx.body, init, xs, additional, ctx.reverse, tangents[4:], ctx.out_diff)
+        return scan_jvp(ctx.looping.call, ctx.body, init, xs, additional, ctx.reverse, tangents[4:], ctx.out_diff)
 
 
 def _split(operands: Sequence[Any], counts: tuple[int, int, int]) -> tuple[list[Any], list[Any], list[Any]]:

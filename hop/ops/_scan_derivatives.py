@@ -20,7 +20,7 @@ from hop import _transforms
 from hop._operator import HigherOrderOperator
 from hop.ops._branching import as_tuple
 from hop.ops._common import differentiable_at
-from hop.ops._loop_values import pack
+from hop.ops._loop_values import raw_output
 
 Fn = Callable[..., Any]
 
@@ -128,7 +128,7 @@ def scan_jvp(
     out = as_tuple(call(step, (*init, *t_init), (*xs, *t_xs), (*additional, *t_add), reverse))
     t_carry = _scatter(nc, dc, out[nc : nc + len(dc)])
     t_ys = _scatter(len(out_diff) - nc, dy, out[nc + len(dc) + len(out_diff) - nc :])
-    return pack([*t_carry, *t_ys])
+    return raw_output([*t_carry, *t_ys])
 
 
 def _jvp_body(body: Fn, counts: tuple[int, int, int], dc: list[int], dx: list[int], da: list[int], dy: list[int]) -> Fn:

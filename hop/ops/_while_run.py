@@ -80,7 +80,7 @@ def run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any
                 return carry
             carry = as_tuple(body_fn(*carry, *additional))
             continue
-        if not _any(pred):
+        if not _any_batch_element(pred):
             return carry
         new = as_tuple(body_fn(*carry, *additional))
         carry = tuple(_freeze(pred, n, o) for n, o in zip(new, carry, strict=True))
@@ -122,7 +122,7 @@ def _is_batched(t: torch.Tensor) -> bool:
     return False
 
 
-def _any(pred: torch.Tensor) -> bool:
+def _any_batch_element(pred: torch.Tensor) -> bool:
     """Whether any batch element of a vmap-batched condition holds."""
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 

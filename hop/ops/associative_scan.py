@@ -51,8 +51,7 @@ from hop import (
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
-from hop.ops import _common, _loop_checks, _loop_values, _scan_derivatives
-from hop.ops import _looping as lp
+from hop.ops import _common, _loop_checks, _loop_values, _looping, _scan_derivatives
 from hop.ops._branching import as_tuple
 from hop.ops._common import differentiable, save_operands, saved_operands
 from hop.ops.scan import SCAN, scan_op
@@ -105,10 +104,12 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
     moved = [x.movedim(d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
     moved = [x.flip(0) for x in moved] if reverse else moved
     body = _flat_body(combine_fn, spec, xs)
-    if lp.runs_inline(n, leaves):
+    if _looping.runs_inline(n, leaves):
         out = associative_scan_dense(body, moved, (), combine_mode)
     else:
-        body, lifted = lp.lift_closures(body, lambda: [*lp.examples((), moved, ()), *lp.examples((), moved, ())])
+        body, lifted = _looping.lift_closures(
+            body, lambda: [*_looping.examples((), moved, ()), *_looping.examples((), moved, ())]
+        )
         out = associative_scan_op(body, tuple(moved), tuple(lifted), combine_mode)
     out = [o.flip(0) for o in as_tuple(out)] if reverse else as_tuple(out)
     return _pytree.unflatten([o.movedim(0, d) if d else o for o, d in zip(out, dims, strict=True)], spec)
@@ -198,7 +199,7 @@ def associative_scan_dense(
         _common.refuse_legacy_onnx(_NAME, _loop_checks.LENGTH)
         n = _common.static_size(n)  # Note [sizes under jit.trace]
     out = _prefix_scan(combine, xs, additional_inputs, n)
-    return _loop_values.pack(_loop_values.no_alias(out, [*xs, *additional_inputs]))
+    return _loop_values.raw_output(_loop_values.no_alias(out, [*xs, *additional_inputs]))
 
 
 @associative_scan_op.py_autograd_impl
@@ -211,8 +212,8 @@ def associative_scan_autograd(
     node (Note [closure conversion] in hop._closures: a node differentiates its inputs only)."""
     n = xs[0].shape[0]
     if type(n) is int and n == 0:  # an empty scan is its input, under every transform
-        return _loop_values.pack([x.clone() for x in xs])
-    if lp.runs_inline(n, xs, additional_inputs):
+        return _loop_values.raw_output([x.clone() for x in xs])
+    if _looping.runs_inline(n, xs, additional_inputs):
         return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
     (combine_fn,), captured = _closures.convert_closures([combine_fn], [*xs, *additional_inputs])
     args = (*xs, *additional_inputs, *captured)
@@ -235,8 +236,8 @@ def associative_scan_jvp(
 
 def _transform(interpreter: Any, combine_fn: Fn, xs: Sequence[Any], additional: Sequence[Any], mode: str) -> Any:
     """As autograd, with the closed-over tensors the transform tracks made explicit inputs."""
-    if not lp.runs_inline(xs[0].shape[0], xs, additional):
-        combine_fn, extra = lp.lift_transform_closures(combine_fn, interpreter.level())
+    if not _looping.runs_inline(xs[0].shape[0], xs, additional):
+        combine_fn, extra = _looping.lift_transform_closures(combine_fn, interpreter.level())
         additional = (*additional, *extra)
     return associative_scan_autograd(combine_fn, xs, additional, mode)
 
@@ -247,7 +248,7 @@ def associative_scan_vmap(
 ) -> Any:
     """Inline for real tensors; else the op one level down on the vmapped (generic) ``combine_fn``,
     every leaf of ``xs`` batched at dim 1."""
-    if lp.runs_inline(xs[0].shape[0], xs, additional_inputs):
+    if _looping.runs_inline(xs[0].shape[0], xs, additional_inputs):
         return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
     level = interpreter.level()
     xs_u, xs_d = _transforms.unwrap_batched(xs, level)
@@ -264,7 +265,7 @@ def associative_scan_vmap(
     batched = torch.vmap(combine_fn, in_dims=in_dims, randomness=interpreter.randomness())
     with interpreter.lower():
         out = as_tuple(associative_scan_op(batched, tuple(xs_b), tuple(add_u), "generic"))
-    return _loop_values.pack([_add_batch_dim(o, 1, level) for o in out])
+    return _loop_values.raw_output([_add_batch_dim(o, 1, level) for o in out])
 
 
 @associative_scan_op.py_functionalize_impl
@@ -287,7 +288,7 @@ def associative_scan_fake(
         slices = _loop_values.empty_slices(xs, [0] * len(xs))
         out = as_tuple(combine_fn(*slices, *_loop_values.empty_slices(xs, [0] * len(xs)), *additional_inputs))
         _loop_checks.check_like(_NAME, "combine_fn", combine_fn, slices, list(out), "output", "xs and the output")
-        return _loop_values.pack([torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs])
+        return _loop_values.raw_output([torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs])
 
 
 @associative_scan_op.py_impl(ProxyTorchDispatchMode)
@@ -304,7 +305,7 @@ def associative_scan_proxy(
         *additional_inputs,
     ]
     (gm,), lifted = _lifting.trace_branches([combine_fn], examples)
-    lp.check_body_effects(_NAME, "combine_fn", combine_fn, gm)
+    _looping.check_body_effects(_NAME, "combine_fn", combine_fn, gm)
     all_additional = (*additional_inputs, *lifted)
     out = associative_scan_op(gm, tuple(xs), all_additional, combine_mode)  # reaches the fake rule
     return _tracing.emit(mode, associative_scan_op, (gm, tuple(xs), all_additional, combine_mode), out)
@@ -379,6 +380,6 @@ class _Function(torch.autograd.Function):
                 SCAN.call, _sequential(ctx.combine_fn), init, rest, additional, False, t_in, diff * 2
             )
         )
-        return _loop_values.pack(
+        return _loop_values.raw_output(
             [None if t is None else torch.cat([t0[:1], t]) for t0, t in zip(t_xs, out[nx:], strict=True)]
         )

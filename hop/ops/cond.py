@@ -22,10 +22,9 @@ from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message
-from hop.ops import _branching as br
+from hop.ops import _branching, _inline
 from hop.ops import _branching_eager as fast
 from hop.ops import _branching_rules as rules
-from hop.ops import _inline
 from hop.ops._common import refuse_legacy_onnx
 
 __all__ = ["cond", "cond_op"]
@@ -91,7 +90,7 @@ def cond(
         for role, fn in (("true_fn", true_fn), ("false_fn", false_fn)):
             if not callable(fn):
                 raise HopTypeError(format_message("cond", f"{role} must be callable, got {type(fn).__name__}"))
-        br.check_operands("cond", operands)
+        _branching.check_operands("cond", operands)
         return true_fn(*operands) if pred else false_fn(*operands)
     k = -1  # the branch pred gives, once read (read once: a user mode sees one read, as in Python)
     if (
@@ -114,7 +113,7 @@ def cond(
     _check_pred(pred)
     if isinstance(pred, torch.Tensor) and pred.dtype is not _BOOL:
         pred = pred != 0  # a number's truth, as a Python if (the graph then holds a bool pred)
-    return br.call(COND, pred, (true_fn, false_fn), operands, taken=k if k >= 0 else None)
+    return _branching.call(COND, pred, (true_fn, false_fn), operands, taken=k if k >= 0 else None)
 
 
 def _is_numpy_bool(pred: Any) -> bool:
@@ -193,7 +192,7 @@ SPEC = _spec.register(
     )
 )
 
-COND = br.Branching(
+COND = _branching.Branching(
     name="cond",
     op=cond_op,
     call=_call,

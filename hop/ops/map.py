@@ -20,8 +20,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hop import _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
-from hop.ops import _loop_checks, _loop_values
-from hop.ops import _looping as lp
+from hop.ops import _loop_checks, _loop_values, _looping
 from hop.ops._branching import as_tuple
 from hop.ops.scan import scan_op
 
@@ -64,13 +63,13 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
     arg_leaves, args_spec = _pytree.flatten_dropping_none(args)
     dims, n = _loop_checks.check_xs("map", xs, xs_leaves, 0)
     _loop_checks.check_leaves("map", "args", args, arg_leaves, ints=True)
-    if lp.runs_inline(n, xs_leaves, arg_leaves):
+    if _looping.runs_inline(n, xs_leaves, arg_leaves):
         if n == 0:
             return _empty_map(f, xs_leaves, xs_spec, arg_leaves, args_spec)
         items = _loop_values.slices(xs, xs_leaves, xs_spec, dims)
         return _loop_values.stack_ys(MAP, f, [f(x, *args) for x in items], 0, "output")
     body, y_spec, passed = _flat_body(f, xs_spec, args_spec, arg_leaves)
-    body, lifted = lp.lift_closures(body, lambda: lp.examples((), xs_leaves, passed))
+    body, lifted = _looping.lift_closures(body, lambda: _looping.examples((), xs_leaves, passed))
     out = map_op(body, tuple(xs_leaves), (*passed, *lifted))
     return _pytree.unflatten(as_tuple(out), y_spec[0])
 
@@ -140,44 +139,44 @@ def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: 
     return (gm, xs, additional)
 
 
-MAP = lp.Looping(name="map", op=map_op, role="f", call=_call, node_args=_node_args, scan=scan_op)
+MAP = _looping.Looping(name="map", op=map_op, role="f", call=_call, node_args=_node_args, scan=scan_op)
 
 
 @map_op.py_impl(DispatchKey.CompositeExplicitAutograd)
 def map_dense(body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return lp.dense(MAP, body, (), xs, additional_inputs, False)
+    return _looping.dense(MAP, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_autograd_impl
 def map_autograd(body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return lp.autograd(MAP, body, (), xs, additional_inputs, False)
+    return _looping.autograd(MAP, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_impl(TransformType.Grad)
 def map_grad(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return lp.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
+    return _looping.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_impl(TransformType.Jvp)
 def map_jvp(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return lp.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
+    return _looping.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_impl(TransformType.Vmap)
 def map_vmap(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return lp.vmap(MAP, interpreter, body, (), xs, additional_inputs, False)
+    return _looping.vmap(MAP, interpreter, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_functionalize_impl
 def map_functionalize(ctx: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return lp.functionalize(MAP, ctx, body, (), xs, additional_inputs, False)
+    return _looping.functionalize(MAP, ctx, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_impl(FakeTensorMode)
 def map_fake(mode: FakeTensorMode, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return lp.fake(MAP, mode, body, (), xs, additional_inputs, False)
+    return _looping.fake(MAP, mode, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_impl(ProxyTorchDispatchMode)
 def map_proxy(mode: ProxyTorchDispatchMode, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return lp.proxy(MAP, mode, body, (), xs, additional_inputs, False)
+    return _looping.proxy(MAP, mode, body, (), xs, additional_inputs, False)

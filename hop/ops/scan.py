@@ -22,8 +22,7 @@ from hop import _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, format_message, type_name
-from hop.ops import _loop_checks, _loop_values
-from hop.ops import _looping as lp
+from hop.ops import _loop_checks, _loop_values, _looping
 from hop.ops._branching import as_tuple
 
 __all__ = ["scan", "scan_op"]
@@ -91,11 +90,11 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     if not xs_leaves and type(dim) is int:  # nothing to scan over: a Python loop over nothing
         return no_steps(init, xs)
     dims, n = _loop_checks.check_xs("scan", xs, xs_leaves, dim)
-    if lp.runs_inline(n, init_leaves, xs_leaves):
+    if _looping.runs_inline(n, init_leaves, xs_leaves):
         return _scan_inline(combine_fn, init, xs, xs_leaves, xs_spec, dims, dim, n, reverse)
     body, y_spec = _flat_body(combine_fn, init_spec, xs_spec, dim)
     moved = tuple(x.movedim(d, 0) if d else x for x, d in zip(xs_leaves, dims, strict=True))
-    body, lifted = lp.lift_closures(body, lambda: lp.examples(init_leaves, moved, ()))
+    body, lifted = _looping.lift_closures(body, lambda: _looping.examples(init_leaves, moved, ()))
     out = as_tuple(scan_op(body, tuple(init_leaves), moved, tuple(lifted), reverse))
     k = len(init_leaves)
     ys = [y.movedim(0, _loop_values.stack_dim(dim, y.dim() - 1)) if dim else y for y in out[k:]]
@@ -207,56 +206,56 @@ def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: 
     return (gm, init, xs, additional, r)
 
 
-SCAN = lp.Looping(name="scan", op=scan_op, role="combine_fn", call=_call, node_args=_node_args, scan=scan_op)
+SCAN = _looping.Looping(name="scan", op=scan_op, role="combine_fn", call=_call, node_args=_node_args, scan=scan_op)
 
 
 @scan_op.py_impl(DispatchKey.CompositeExplicitAutograd)
 def scan_dense(
     body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return lp.dense(SCAN, body, init, xs, additional_inputs, reverse)
+    return _looping.dense(SCAN, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_autograd_impl
 def scan_autograd(
     body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return lp.autograd(SCAN, body, init, xs, additional_inputs, reverse)
+    return _looping.autograd(SCAN, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_impl(TransformType.Grad)
 def scan_grad(
     interpreter: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return lp.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
+    return _looping.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_impl(TransformType.Jvp)
 def scan_jvp(
     interpreter: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return lp.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
+    return _looping.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_impl(TransformType.Vmap)
 def scan_vmap(
     interpreter: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return lp.vmap(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
+    return _looping.vmap(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_functionalize_impl
 def scan_functionalize(
     ctx: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return lp.functionalize(SCAN, ctx, body, init, xs, additional_inputs, reverse)
+    return _looping.functionalize(SCAN, ctx, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_impl(FakeTensorMode)
 def scan_fake(
     mode: FakeTensorMode, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], r: bool
 ) -> Any:
-    return lp.fake(SCAN, mode, body, init, xs, additional_inputs, r)
+    return _looping.fake(SCAN, mode, body, init, xs, additional_inputs, r)
 
 
 @scan_op.py_impl(ProxyTorchDispatchMode)
@@ -268,4 +267,4 @@ def scan_proxy(
     additional_inputs: Sequence[Any],
     reverse: bool,
 ) -> Any:
-    return lp.proxy(SCAN, mode, body, init, xs, additional_inputs, reverse)
+    return _looping.proxy(SCAN, mode, body, init, xs, additional_inputs, reverse)

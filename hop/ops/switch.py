@@ -21,10 +21,9 @@ from hop import _observe, _observe_calls, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling, is_plain_tensor, mode_stack_len
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
-from hop.ops import _branching as br
+from hop.ops import _branching, _inline
 from hop.ops import _branching_eager as fast
 from hop.ops import _branching_rules as rules
-from hop.ops import _inline
 from hop.ops._common import refuse_legacy_onnx
 
 __all__ = ["switch", "switch_op"]
@@ -117,10 +116,10 @@ def switch(
                 raise HopTypeError(
                     format_message("switch", f"{role} must be callable, got {type_name(fn)}"), op="switch", role=role
                 )
-        br.check_operands("switch", operands)
+        _branching.check_operands("switch", operands)
         return branches[_index(index, len(branches))](*operands)
     taken = k if 0 <= k < len(branches) else None
-    return br.call(SWITCH, index, tuple(branches), operands, taken=taken)
+    return _branching.call(SWITCH, index, tuple(branches), operands, taken=taken)
 
 
 def _check_index(index: Any) -> None:
@@ -244,7 +243,7 @@ SPEC = _spec.register(
     )
 )
 
-SWITCH = br.Branching(
+SWITCH = _branching.Branching(
     name="switch",
     op=switch_op,
     call=_call,

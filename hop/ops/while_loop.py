@@ -38,7 +38,7 @@ from hop._unbacked import assert_ranges, generalize_carries, recording
 from hop.errors import HopValueError, format_message
 from hop.ops import _checkpoint, _while_node, _while_run
 from hop.ops import _while_checks as checks
-from hop.ops._branching import as_tuple, like, no_alias
+from hop.ops._branching import as_tuple, no_alias, same_form
 from hop.ops._common import check_effects, runs_inline
 from hop.ops._while_checks import NAME as _NAME
 from hop.ops._while_ints import DERIVED, ints_as_tensors
@@ -149,7 +149,7 @@ SPEC = _spec.register(
 @while_loop_op.py_impl(DispatchKey.CompositeExplicitAutograd)
 def while_loop_dense(cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
     out = _while_run.run(cond_fn, body_fn, carried_inputs, additional_inputs)
-    return no_alias(like(tuple(carried_inputs), out) if len(out) != 1 else out[0], carried_inputs)
+    return no_alias(same_form(tuple(carried_inputs), out) if len(out) != 1 else out[0], carried_inputs)
 
 
 @while_loop_op.py_autograd_impl
@@ -210,7 +210,7 @@ def while_loop_vmap(
 
     with interpreter.lower():
         out = while_loop_op(any_active, masked_body, tuple(carried), tuple(extra))
-    return like(out, _transforms.add_batch_dims(as_tuple(out), level))
+    return same_form(out, _transforms.add_batch_dims(as_tuple(out), level))
 
 
 @while_loop_op.py_functionalize_impl
@@ -235,7 +235,7 @@ def while_loop_fake(
         out = generalize_carries(
             _NAME, body_fn, tuple(carried_inputs), tuple(additional_inputs), mode.shape_env, fresh=True
         )
-    return no_alias(like(tuple(carried_inputs), out) if len(out) != 1 else out[0], carried_inputs)
+    return no_alias(same_form(tuple(carried_inputs), out) if len(out) != 1 else out[0], carried_inputs)
 
 
 @while_loop_op.py_impl(ProxyTorchDispatchMode)
