@@ -14,6 +14,7 @@ from torch._C._functorch import maybe_current_level as _functorch_level
 
 __all__ = [
     "in_plain_eager",
+    "is_plain_leaf",
     "nothing_active",
     "no_modes",
     "is_user_mode",
@@ -53,6 +54,11 @@ PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
 def is_plain_tensor(x: Any) -> bool:
     """A dense real tensor (or Parameter) that no mode or wrapper stands behind."""
     return type(x) in _PLAIN_TYPES and not x.is_meta and not torch._is_functional_tensor(x)
+
+
+def is_plain_leaf(x: Any) -> bool:
+    """A leaf an operator can run on directly in plain eager: a plain tensor or an int."""
+    return is_plain_tensor(x) or type(x) is int
 
 
 def nothing_active() -> bool:

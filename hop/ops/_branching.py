@@ -148,7 +148,7 @@ def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any, taken: i
             )
     check_operands(b.name, operands)
     leaves, in_spec = _pytree.flatten(tuple(operands))
-    if _transforms.is_concrete(sel) and _transforms.in_plain_eager() and all(map(_plain_leaf, leaves)):
+    if _transforms.is_concrete(sel) and _transforms.in_plain_eager() and all(map(_transforms.is_plain_leaf, leaves)):
         k = b.index(sel, len(branches)) if taken is None else taken
         if _SINKS:
             _observe.note(b.name, inline=True)
@@ -187,10 +187,6 @@ def _validate_under_transform(
 _SINKS = _observe.SINKS
 _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
-
-
-def _plain_leaf(x: Any) -> bool:
-    return _transforms.is_plain_tensor(x) or type(x) is int
 
 
 def check_operands(name: str, operands: Any) -> None:

@@ -94,7 +94,7 @@ def while_loop(
     _checkpoint.check_flag(checkpoint)
     leaves, spec = _subgraph.flatten(tuple(carried_inputs))
     flat_cond, flat_body = checks.flat_functions(cond_fn, body_fn, spec)
-    if _transforms.in_plain_eager() and all(map(_plain_leaf, leaves)):
+    if _transforms.in_plain_eager() and all(map(_transforms.is_plain_leaf, leaves)):
         key = validation.signature(_NAME, (cond_fn, body_fn), tuple(carried_inputs), leaves, spec)
         if not validation.is_known(key):
             checks.validate(flat_cond, flat_body, leaves, (cond_fn, body_fn))
@@ -108,10 +108,6 @@ def while_loop(
     with _while_node.checkpointing(checkpoint):  # read by the autograd node (Note [reverse mode of a traced loop])
         out = while_loop_op(flat_cond, flat_body, tuple(leaves), ())
     return _subgraph.unflatten(list(as_tuple(out)) if len(leaves) != 1 else [out], spec)
-
-
-def _plain_leaf(x: Any) -> bool:
-    return _transforms.is_plain_tensor(x) or type(x) is int
 
 
 def _inline_or_node(
