@@ -14,16 +14,23 @@ for switch; ``torch._higher_order_ops`` ``while_loop``, ``map``, ``scan``,
 A row that fails prints ``n/a (reason)``. Run:
 ``python benchmarks/bench_compile.py [--quick] [--ops cond,scan]``
 (``--quick`` skips AOTInductor, the slowest part: a build per program).
+
+``--warm`` measures warm starts instead: per program, two fresh processes share one
+``TORCHINDUCTOR_CACHE_DIR`` (caches on) and each times its first compiled call
+(Dynamo, AOTAutograd and Inductor, or the cached code they load); the table has the
+cold and the warm time and what the FX graph and AOTAutograd caches did in the warm one.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # every first call compiles
+if "--child" not in sys.argv and "--warm" not in sys.argv:
+    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # every first call compiles
 
 import argparse
-import sys
+import subprocess
 import tempfile
 import time
 import warnings
@@ -152,13 +159,55 @@ def measure(fn: Fn, args: tuple[torch.Tensor, ...], aoti: bool) -> list[str]:
     return cells
 
 
+def child(name: str, impl: str) -> None:
+    """One process's first compiled call of a program; prints its seconds and the caches' counters."""
+    from torch._dynamo.utils import counters
+
+    _, hop_fn, torch_fn, args = next(p for p in programs() if p[0] == name)
+    compiled = torch.compile(hop_fn if impl == "hop" else torch_fn, backend="inductor")
+    seconds, _ = _timed(lambda: compiled(*args))
+    fx = {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items() if "cache" in k}
+    aot = {k.removeprefix("autograd_cache_"): v for k, v in counters["aot_autograd"].items() if "cache" in k}
+    print(f"{seconds:.2f}|{fx}|{aot}")
+
+
+def warm(wanted: set[str]) -> None:
+    header = ["op", "impl", "cold s", "warm s", "warm / cold", "warm: FX graph cache", "warm: AOTAutograd cache"]
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for name, *_ in programs():
+        if wanted and name not in wanted:
+            continue
+        for impl in ("hop", "torch"):
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "0"}
+                runs = [
+                    subprocess.run(
+                        [sys.executable, __file__, "--child", name, impl], env=env, capture_output=True, text=True
+                    )
+                    for _ in range(2)
+                ]
+            if any(r.returncode for r in runs):
+                print(f"{name} | {impl} | n/a ({runs[-1].stderr.strip().splitlines()[-1][:70]})", flush=True)
+                continue
+            (cold, _, _), (hot, fx, aot) = (r.stdout.strip().splitlines()[-1].split("|") for r in runs)
+            ratio = f"{float(hot) / float(cold):.2f}"
+            print(" | ".join([name, impl, cold, hot, ratio, fx, aot]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip AOTInductor")
     parser.add_argument("--ops", default="", help="comma-separated operators (default: all)")
+    parser.add_argument("--warm", action="store_true", help="cold and warm starts from the compile caches")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     wanted = set(filter(None, opts.ops.split(",")))
     warnings.filterwarnings("ignore")
+    if opts.child:
+        return child(*opts.child)
+    if opts.warm:
+        return warm(wanted)
     torch.compile(lambda t: t + 1, backend="inductor")(torch.ones(2))  # Inductor's one-time start-up
     header = ["op", "impl", "compile s", "inductor us", "aoti build s", "aoti run us", "eager us"]
     print(" | ".join(header))

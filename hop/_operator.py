@@ -84,7 +84,10 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             Creating a second op with the same name replaces the first in
             ``torch.ops.hop`` (as re-running a module that defines it would);
             the names of hop's own operators (``cond``, ``switch``, ...) are refused.
-        cacheable: forwarded to torch (AOTAutograd's cache may key on it).
+        cacheable: whether compiled graphs holding the operator may be saved in and
+            loaded from Inductor's FX graph cache and the AOTAutograd cache. Their
+            keys cover the graph's code and hop's source, not your rules: say True
+            only if those never change between the processes that share a cache.
         tuple_args: positions of the arguments that must be a tuple or list, by role
             name (``{3: "operands"}``): a call with anything else there raises
             ``HopTypeError`` instead of unpacking, say, a tensor's rows as operands.

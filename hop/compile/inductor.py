@@ -63,6 +63,7 @@ import functools
 import operator
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -442,10 +443,27 @@ class PostGradPass:
         return self  # Inductor's config copies a default it hands out; one pass is enough
 
     def uuid(self) -> Any:
-        """Keys Inductor's FX graph cache: changes whenever the pass's files do."""
-        from torch._inductor.custom_graph_pass import get_hash_for_files
+        """Keys Inductor's FX graph cache and AOTAutograd's (which hashes Inductor's
+        passes too): Note [hop in the compile caches]."""
+        return _source_hash()
 
-        return get_hash_for_files((__file__, rw.__file__))
+
+# Note [hop in the compile caches]: hop's operators are cacheable, so a second
+# process that compiles the same program loads its code from the FX graph and
+# AOTAutograd caches instead of compiling again. A cache key covers the graph's
+# code and its subgraphs' (a branch that changes misses), torch's version and
+# config, and the uuid of each custom pass: ours hashes every source file of hop,
+# because the compiled code depends on more than the rewrites (the autograd and
+# functionalization rules that build the joint graph, the Dynamo handlers, the
+# lowerings), so a hop that changes never loads code an older one compiled.
+# An operator users define with hop.HigherOrderOperator stays uncacheable unless
+# they say otherwise: its rules are theirs, outside this hash.
+@functools.cache
+def _source_hash() -> bytes:
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    package = Path(__file__).resolve().parent.parent
+    return get_hash_for_files(tuple(str(p) for p in sorted(package.rglob("*.py"))))
 
 
 def _check_fixed_carries(node: torch.fx.Node) -> None:

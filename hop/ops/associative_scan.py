@@ -144,7 +144,9 @@ def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
     return body
 
 
-associative_scan_op = HigherOrderOperator("associative_scan", tuple_args={1: "xs", 2: "additional_inputs"})
+associative_scan_op = HigherOrderOperator(
+    "associative_scan", cacheable=True, tuple_args={1: "xs", 2: "additional_inputs"}
+)
 
 
 def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -154,7 +154,7 @@ def _check_pred(pred: Any) -> None:
         )
 
 
-cond_op = HigherOrderOperator("cond", tuple_args={3: "operands"})
+cond_op = HigherOrderOperator("cond", cacheable=True, tuple_args={3: "operands"})
 
 
 def _index(pred: Any, n: int) -> int:

@@ -111,7 +111,7 @@ def _flat_body(f: Fn, xs_spec: Any, args_spec: Any, arg_leaves: list[Any]) -> tu
     return body, y_spec, [a for a, c in zip(arg_leaves, const, strict=True) if not c]
 
 
-map_op = HigherOrderOperator("map", tuple_args={1: "xs", 2: "additional_inputs"})
+map_op = HigherOrderOperator("map", cacheable=True, tuple_args={1: "xs", 2: "additional_inputs"})
 
 
 def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -180,7 +180,7 @@ def _flat_body(combine_fn: Fn, init_spec: Any, xs_spec: Any, dim: int) -> tuple[
     return body, y_spec
 
 
-scan_op = HigherOrderOperator("scan", tuple_args={1: "init", 2: "xs", 3: "additional_inputs"})
+scan_op = HigherOrderOperator("scan", cacheable=True, tuple_args={1: "init", 2: "xs", 3: "additional_inputs"})
 
 
 def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

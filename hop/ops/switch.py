@@ -160,7 +160,7 @@ class SwitchOp(HigherOrderOperator):
     """
 
     def __init__(self) -> None:
-        super().__init__("switch", tuple_args={1: "operands"})
+        super().__init__("switch", cacheable=True, tuple_args={1: "operands"})
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 3 and isinstance(args[1], (list, tuple)) and args[1] and all(map(callable, args[1])):

@@ -122,7 +122,9 @@ def _inline_or_node(
 
 # --- the raw op and its rules -----------------------------------------------------------------
 
-while_loop_op = HigherOrderOperator("while_loop", tuple_args={2: "carried_inputs", 3: "additional_inputs"})
+while_loop_op = HigherOrderOperator(
+    "while_loop", cacheable=True, tuple_args={2: "carried_inputs", 3: "additional_inputs"}
+)
 
 
 def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
