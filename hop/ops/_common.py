@@ -16,13 +16,15 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
-from hop import _effects, _output_checks, _transforms
+from hop import _effects, _observe, _observe_calls, _output_checks, _reference, _transforms
 from hop.errors import CompileUnsupported, MutationError, format_message
 
 __all__ = [
+    "NOT_TAKEN",
     "check_effects",
     "differentiable",
     "differentiable_at",
+    "front",
     "refuse_legacy_onnx",
     "runs_inline",
     "save_operands",
@@ -35,6 +37,29 @@ _Tensor = torch.Tensor
 _T = TypeVar("_T")
 _tracing_state: Callable[[], Any] = torch._C._get_tracing_state
 _set_tracing_state: Callable[[Any], None] = torch._C._set_tracing_state  # type: ignore[attr-defined]
+
+
+NOT_TAKEN = object()
+"""What :func:`front` returns when the public function is to run the call itself."""
+
+_SINKS = _observe.SINKS
+
+
+def front(
+    name: str, public: Callable[..., Any], op: Any, reference: Callable[..., Any], args: tuple[Any, ...], **kwargs: Any
+) -> Any:
+    """Note [a public function's front]: before a public function does work of its own,
+    the call may belong elsewhere, in this order: ``hop.testing.reference()`` runs the
+    operator's reference semantics (``reference``); Dynamo, tracing, gets the raw op
+    behind the marker (Note [public functions under Dynamo]); ``hop.debug.trace()``
+    watches the call (Note [watching a call]). :data:`NOT_TAKEN` when none takes it."""
+    if _reference.ACTIVE and _reference.here():
+        return reference(*args, **kwargs)
+    if _transforms.is_dynamo_compiling():
+        return op(_transforms.DYNAMO_CALL, public, *args, **kwargs)
+    if _SINKS and _observe.claim():
+        return _observe_calls.watch(name, public, args, kwargs or None)
+    return NOT_TAKEN
 
 
 def differentiable(x: Any) -> bool:

@@ -49,11 +49,10 @@ from hop import (
     _transforms,
 )
 from hop._operator import HigherOrderOperator
-from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _common, _loop_checks, _loop_values, _looping, _scan_derivatives
 from hop.ops._branching import as_tuple
-from hop.ops._common import differentiable, save_operands, saved_operands
+from hop.ops._common import NOT_TAKEN, differentiable, front, save_operands, saved_operands
 from hop.ops.scan import SCAN, scan_op
 
 __all__ = ["associative_scan", "associative_scan_op"]
@@ -92,12 +91,15 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
     every transform (autograd, ``torch.func``, vmap); make_fx and torch.export keep
     one ``torch.ops.hop.associative_scan`` node.
     """
-    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
-        return _reference.reference_associative_scan(combine_fn, xs, dim, reverse, combine_mode)
-    if is_dynamo_compiling():  # Note [public functions under Dynamo]
-        return associative_scan_op(DYNAMO_CALL, associative_scan, combine_fn, xs, dim, reverse, combine_mode)
-    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe_calls.watch(_NAME, associative_scan, (combine_fn, xs, dim, reverse, combine_mode))
+    taken = front(
+        _NAME,
+        associative_scan,
+        associative_scan_op,
+        _reference.reference_associative_scan,
+        (combine_fn, xs, dim, reverse, combine_mode),
+    )
+    if taken is not NOT_TAKEN:  # Note [a public function's front]
+        return taken
     check_options(combine_fn, reverse, combine_mode)
     leaves, spec = _pytree.flatten_dropping_none(xs)
     dims, n = _loop_checks.check_xs(_NAME, xs, leaves, dim)

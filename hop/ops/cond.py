@@ -20,12 +20,12 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hop import _observe, _observe_calls, _reference, _spec
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
-from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling
+from hop._transforms import in_plain_eager, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.ops import _branching, _inline
 from hop.ops import _branching_eager as fast
 from hop.ops import _branching_rules as rules
-from hop.ops._common import refuse_legacy_onnx
+from hop.ops._common import NOT_TAKEN, front, refuse_legacy_onnx
 
 __all__ = ["cond", "cond_op"]
 
@@ -80,12 +80,9 @@ def cond(
             return r
         if r is not _MISS:
             return fast.finish_ran(COND, (true_fn, false_fn), operands, *r)
-    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
-        return _reference.reference_cond(pred, true_fn, false_fn, operands)
-    if is_dynamo_compiling():  # Note [public functions under Dynamo]
-        return cond_op(DYNAMO_CALL, cond, pred, true_fn, false_fn, operands)
-    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe_calls.watch("cond", cond, (pred, true_fn, false_fn, operands))
+    taken = front("cond", cond, cond_op, _reference.reference_cond, (pred, true_fn, false_fn, operands))
+    if taken is not NOT_TAKEN:  # Note [a public function's front]
+        return taken
     if type(pred) is bool:
         for role, fn in (("true_fn", true_fn), ("false_fn", false_fn)):
             if not callable(fn):

@@ -13,10 +13,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from hop import _observe, _observe_calls, _reference, _spec, _transforms
+from hop import _observe, _reference, _spec, _transforms
 from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
+from hop.ops._common import NOT_TAKEN, front
 from hop.ops.while_loop import while_loop, while_loop_op
 
 __all__ = ["fori_loop"]
@@ -52,12 +53,9 @@ def fori_loop(
             of ``val``'s leaves.
         init_val: a pytree of tensors and ints.
     """
-    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
-        return _reference.reference_fori_loop(lower, upper, body_fn, init_val)
-    if _transforms.is_dynamo_compiling():  # Note [public functions under Dynamo]; the op is a while_loop
-        return while_loop_op(_transforms.DYNAMO_CALL, fori_loop, lower, upper, body_fn, init_val)
-    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe_calls.watch(_NAME, fori_loop, (lower, upper, body_fn, init_val))
+    taken = front(_NAME, fori_loop, while_loop_op, _reference.reference_fori_loop, (lower, upper, body_fn, init_val))
+    if taken is not NOT_TAKEN:  # Note [a public function's front]
+        return taken
     if not callable(body_fn):
         raise HopTypeError(
             format_message(_NAME, f"body_fn must be callable, got {type_name(body_fn)}"), op=_NAME, role="body_fn"

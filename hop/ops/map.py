@@ -19,9 +19,9 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
-from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.ops import _loop_checks, _loop_values, _looping
 from hop.ops._branching import as_tuple
+from hop.ops._common import NOT_TAKEN, front
 from hop.ops.scan import scan_op
 
 __all__ = ["map", "map_op"]
@@ -52,12 +52,9 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
     ``map`` inside ``vmap``) differentiate and batch it; make_fx and torch.export
     keep one ``torch.ops.hop.map`` node.
     """
-    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
-        return _reference.reference_map(f, xs, *args)
-    if is_dynamo_compiling():  # Note [public functions under Dynamo]
-        return map_op(DYNAMO_CALL, map, f, xs, *args)
-    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe_calls.watch("map", map, (f, xs, *args))
+    taken = front("map", map, map_op, _reference.reference_map, (f, xs, *args))
+    if taken is not NOT_TAKEN:  # Note [a public function's front]
+        return taken
     _loop_checks.check_callable("map", "f", f)
     xs_leaves, xs_spec = _pytree.flatten_dropping_none(xs)
     arg_leaves, args_spec = _pytree.flatten_dropping_none(args)

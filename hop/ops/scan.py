@@ -20,10 +20,10 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
-from hop._transforms import DYNAMO_CALL, is_dynamo_compiling
 from hop.errors import HopTypeError, format_message, type_name
 from hop.ops import _loop_checks, _loop_values, _looping
 from hop.ops._branching import as_tuple
+from hop.ops._common import NOT_TAKEN, front
 
 __all__ = ["scan", "scan_op"]
 
@@ -70,15 +70,11 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     node (the scanned length may be dynamic), differentiated by scans of the
     vjp / jvp of ``combine_fn``.
     """
-    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
-        return _reference.reference_scan(combine_fn, init, xs, dim=dim, reverse=reverse)
-    if is_dynamo_compiling():  # Note [public functions under Dynamo]
-        result: tuple[Any, Any] = scan_op(DYNAMO_CALL, scan, combine_fn, init, xs, dim=dim, reverse=reverse)
-        return result
-    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        kwargs = {"dim": dim, "reverse": reverse}
-        watched: tuple[Any, Any] = _observe_calls.watch("scan", scan, (combine_fn, init, xs), kwargs)
-        return watched
+    taken: tuple[Any, Any] = front(
+        "scan", scan, scan_op, _reference.reference_scan, (combine_fn, init, xs), dim=dim, reverse=reverse
+    )
+    if taken is not NOT_TAKEN:  # Note [a public function's front]
+        return taken
     _loop_checks.check_callable("scan", "combine_fn", combine_fn)
     if type(reverse) is not bool:
         raise HopTypeError(

@@ -19,12 +19,12 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _observe, _observe_calls, _reference, _spec
 from hop._operator import HigherOrderOperator
-from hop._transforms import DYNAMO_CALL, in_plain_eager, is_dynamo_compiling, is_plain_tensor, mode_stack_len
+from hop._transforms import in_plain_eager, is_dynamo_compiling, is_plain_tensor, mode_stack_len
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops import _branching, _inline
 from hop.ops import _branching_eager as fast
 from hop.ops import _branching_rules as rules
-from hop.ops._common import refuse_legacy_onnx
+from hop.ops._common import NOT_TAKEN, front, refuse_legacy_onnx
 
 __all__ = ["switch", "switch_op"]
 
@@ -74,12 +74,9 @@ def switch(
             return r
         if r is not _MISS:
             return fast.finish_ran(SWITCH, tuple(branches), operands, *r)
-    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
-        return _reference.reference_switch(index, branches, operands)
-    if is_dynamo_compiling():  # Note [public functions under Dynamo]
-        return switch_op(DYNAMO_CALL, switch, index, branches, operands)
-    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe_calls.watch("switch", switch, (index, branches, operands))
+    taken = front("switch", switch, switch_op, _reference.reference_switch, (index, branches, operands))
+    if taken is not NOT_TAKEN:  # Note [a public function's front]
+        return taken
     k = -1  # the branch index gives, once read (read once: a user mode sees one read, as in Python)
     if (
         type(index) is _Tensor

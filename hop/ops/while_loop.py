@@ -30,7 +30,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference, _spec, _transforms
+from hop import _observe, _reference, _spec, _transforms
 from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
@@ -39,7 +39,7 @@ from hop.errors import HopValueError, format_message
 from hop.ops import _checkpoint, _while_node, _while_run
 from hop.ops import _while_checks as checks
 from hop.ops._branching import as_tuple, no_alias, same_form
-from hop.ops._common import check_effects, runs_inline
+from hop.ops._common import NOT_TAKEN, check_effects, front, runs_inline
 from hop.ops._while_checks import NAME as _NAME
 from hop.ops._while_ints import DERIVED, ints_as_tensors
 
@@ -83,13 +83,16 @@ def while_loop(
     elements are frozen) work; make_fx and torch.export keep one
     ``torch.ops.hop.while_loop`` node, int carries becoming unbacked SymInts.
     """
-    if _reference.ACTIVE and _reference.here():  # hop.testing.reference()
-        return _reference.reference_while_loop(cond_fn, body_fn, carried_inputs)
-    if _transforms.is_dynamo_compiling():  # Note [public functions under Dynamo]
-        dynamo_call = _transforms.DYNAMO_CALL
-        return while_loop_op(dynamo_call, while_loop, cond_fn, body_fn, carried_inputs, checkpoint=checkpoint)
-    if _SINKS and _observe.claim():  # hop.debug.trace(): Note [watching a call]
-        return _observe_calls.watch(_NAME, while_loop, (cond_fn, body_fn, carried_inputs), {"checkpoint": checkpoint})
+    taken = front(
+        _NAME,
+        while_loop,
+        while_loop_op,
+        _reference.reference_while_loop,
+        (cond_fn, body_fn, carried_inputs),
+        checkpoint=checkpoint,
+    )
+    if taken is not NOT_TAKEN:  # Note [a public function's front]
+        return taken
     checks.check_arguments(cond_fn, body_fn, carried_inputs)
     _checkpoint.check_flag(checkpoint)
     leaves, spec = _subgraph.flatten(tuple(carried_inputs))
