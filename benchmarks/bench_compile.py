@@ -15,6 +15,12 @@ A row that fails prints ``n/a (reason)``. Run:
 ``python benchmarks/bench_compile.py [--quick] [--ops cond,scan]``
 (``--quick`` skips AOTInductor, the slowest part: a build per program).
 
+``--models`` compiles the realistic programs of ``benchmarks/passes.py`` (a decoder
+loop with an invariant projection, a gated block with a shared prefix, a configured
+block) with Inductor instead: hop as it is, hop with ``hop.passes.inductor``'s
+optimize pass, and torch's twin (torch's cond and while_loop), each timed per call
+(no grad; CPU time of one thread) and checked against the hop model in eager.
+
 ``--warm`` measures warm starts instead: per program, two fresh processes share one
 ``TORCHINDUCTOR_CACHE_DIR`` (caches on) and each times its first compiled call
 (Dynamo, AOTAutograd and Inductor, or the cached code they load); the table has the
@@ -30,6 +36,7 @@ if "--child" not in sys.argv and "--warm" not in sys.argv:
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # every first call compiles
 
 import argparse
+import contextlib
 import subprocess
 import tempfile
 import time
@@ -46,6 +53,7 @@ from torch._higher_order_ops import while_loop as torch_while_loop
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import per_call_us
+from passes import Configured, Decoder, Gated
 
 import hop
 
@@ -159,6 +167,75 @@ def measure(fn: Fn, args: tuple[torch.Tensor, ...], aoti: bool) -> list[str]:
     return cells
 
 
+class _TorchDecoder(Decoder):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def body(i: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            proj = (self.w * self.scale).t() @ self.w
+            return i + 1, (h @ proj).tanh()
+
+        out: torch.Tensor = torch_while_loop(lambda i, h: i < 16, body, (_counter(), x))[1]
+        return out
+
+
+class _TorchGated(Gated):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def wide(v: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.nn.functional.gelu(self.proj(v)))
+
+        def narrow(v: torch.Tensor) -> torch.Tensor:
+            return self.out(self.proj(v).relu()) * 0.5
+
+        out: torch.Tensor = torch.cond(x.mean() > 0, wide, narrow, (x,))
+        return out
+
+
+class _TorchConfigured(Configured):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        use_norm, act = torch.tensor(True), torch.tensor(2)
+        norm = lambda v: torch.nn.functional.layer_norm(v, v.shape[-1:])  # noqa: E731
+        h = torch.cond(use_norm, norm, lambda v: v.clone(), (x,))
+        h = torch_while_loop(lambda i, v: i < 1, lambda i, v: (i + 1, self.lin(v).tanh() + v), (_counter(), h))[1]
+        rest = lambda v: torch.cond(act == 1, torch.nn.functional.gelu, torch.nn.functional.silu, (v,))  # noqa: E731
+        out: torch.Tensor = torch.cond(act == 0, torch.relu, rest, (h,))
+        return out
+
+
+def models() -> None:
+    """The table of ``--models``."""
+    from torch._inductor import config
+
+    import hop.passes.inductor
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows = [
+        ("decoder loop, invariant projection", Decoder(), _TorchDecoder, torch.randn(8, 64)),
+        ("gated block, shared prefix", Gated(), _TorchGated, torch.randn(32, 256)),
+        ("configured block (constants, 1-step loop)", Configured(), _TorchConfigured, torch.randn(8, 64)),
+    ]
+    header = ["program", "impl", "compile s", "inductor us", "/ torch"]
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for name, model, twin_type, x in rows:
+        twin = twin_type()
+        twin.load_state_dict(model.state_dict())
+        want = model(x)
+        impls = [("hop", model, None), ("hop + passes", model, hop.passes.inductor.chain(None)), ("torch", twin, None)]
+        cells = []
+        for impl, m, passes in impls:
+            torch._dynamo.reset()
+            patch = config.patch(post_grad_custom_pre_pass=passes) if passes else contextlib.nullcontext()
+            with torch.no_grad(), patch:
+                compiled = torch.compile(m, backend="inductor", fullgraph=True)
+                seconds, got = _timed(lambda: compiled(x))  # noqa: B023
+                torch.testing.assert_close(got, want)
+                us = per_call_us(lambda: compiled(x), number=100, repeat=7, timer=time.process_time)  # noqa: B023
+            cells.append((impl, seconds, us))
+        base = cells[-1][2]
+        for impl, seconds, us in cells:
+            print(" | ".join([name, impl, f"{seconds:.1f}", f"{us:.1f}", f"{us / base:.2f}x"]), flush=True)
+
+
 def child(name: str, impl: str) -> None:
     """One process's first compiled call of a program; prints its seconds and the caches' counters."""
     from torch._dynamo.utils import counters
@@ -199,6 +276,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip AOTInductor")
     parser.add_argument("--ops", default="", help="comma-separated operators (default: all)")
+    parser.add_argument("--models", action="store_true", help="realistic programs: hop, hop + passes, torch")
     parser.add_argument("--warm", action="store_true", help="cold and warm starts from the compile caches")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -208,6 +286,8 @@ def main() -> None:
         return child(*opts.child)
     if opts.warm:
         return warm(wanted)
+    if opts.models:
+        return models()
     torch.compile(lambda t: t + 1, backend="inductor")(torch.ones(2))  # Inductor's one-time start-up
     header = ["op", "impl", "compile s", "inductor us", "aoti build s", "aoti run us", "eager us"]
     print(" | ".join(header))
