@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import re
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
@@ -43,3 +48,24 @@ def test_an_upward_import_is_found() -> None:
         "hop.ops.cond": {"hop.compile.inductor": 9},  # not a core module: cycles are checked apart
     }
     assert check_layers.upward(edges) == [("hop._dispatch", 3, "hop.debug"), ("hop._observe", 7, "hop.ops._looping")]
+
+
+OPERATORS = ["cond", "switch", "while_loop", "fori_loop", "map", "scan", "associative_scan"]
+
+
+@pytest.mark.parametrize("op", OPERATORS)
+def test_each_operator_names_its_compile_rules(op: str) -> None:
+    # the (operator, Dynamo / Inductor / ONNX) rules live in hop.compile; each
+    # operator's module names them, and every name it gives exists
+    module = importlib.import_module(f"hop.ops.{op}")
+    doc = module.__doc__ or ""
+    assert "\nCompiled: " in doc
+    names = re.findall(r"``(hop\.compile\.[\w.]+)``", doc)
+    assert {"Dynamo", "Inductor", "ONNX"} <= set(re.findall(r"\b(Dynamo|Inductor|ONNX)\b", doc))
+    assert len(names) >= 3
+    root = Path(module.__file__ or "").resolve().parents[2]
+    for name in names:  # read, not imported: importing the bridge would load Dynamo, Inductor, ONNX
+        path, attr = name.rsplit(".", 1)
+        tree = ast.parse((root / (path.replace(".", "/") + ".py")).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        assert attr in defined, name

@@ -23,6 +23,10 @@ Each level halves the length and makes at most two calls, so there are at most
 sequential scan for an associative ``combine_fn``. Every transform runs this
 algorithm at its own level (autograd and torch.func differentiate the slices,
 calls and concatenations; vmap batches them), so only tracing keeps one node.
+
+Compiled: Dynamo ``hop.compile._dynamo_scans.AssociativeScanVariable``; Inductor
+``hop.compile._inductor_rewrites.rewrite_associative_scan``; ONNX
+``hop.compile._onnx_ops.translate_associative_scan``.
 """
 
 from __future__ import annotations

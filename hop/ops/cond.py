@@ -3,6 +3,10 @@
 Rules are cond's registrations of the shared branching rules (cond is a
 two-branch switch, see ``_branching_rules``), in hop's fixed order: dense, autograd,
 grad / jvp, vmap, functionalize, fake, proxy.
+
+Compiled: Dynamo ``hop.compile._dynamo_branching.CondVariable``; Inductor ``hop.compile.inductor._lower_cond``
+(``hop.compile._inductor_rewrites.rewrite_cond`` first, for int outputs); ONNX
+``hop.compile._onnx_ops.translate_cond``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ With Python-int bounds in eager it is a plain ``for`` loop (body checked once pe
 signature); otherwise it is the while_loop over ``(i, val)`` with ``i < upper``,
 so it inherits every transform (vmap with batched bounds included) and appears in
 traced programs as ``torch.ops.hop.while_loop``.
+
+Compiled: a while_loop: Dynamo ``hop.compile._dynamo_while.WhileLoopVariable``; Inductor
+``hop.compile.inductor._lower_while``; ONNX ``hop.compile._onnx_ops.translate_while_loop``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ The raw op is ``map(body, xs, additional_inputs)``: a scan without carry over
 dim 0 of flat leaves (see ``_looping``). Its rules are map's registrations of
 the shared looping rules, in hop's fixed order: dense, autograd, grad / jvp,
 vmap, functionalize, fake, proxy; its derivatives are scans.
+
+Compiled: Dynamo ``hop.compile._dynamo_scans.MapVariable``; Inductor
+``hop.compile._inductor_rewrites.rewrite_map`` (a while loop); ONNX
+``hop.compile._onnx_ops.translate_map``.
 """
 
 from __future__ import annotations

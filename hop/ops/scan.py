@@ -4,6 +4,10 @@ The raw op is ``scan(body, init, xs, additional_inputs, reverse)`` over dim 0 of
 flat leaves (see ``_looping``); rules are scan's registrations of the shared
 looping rules, in hop's fixed order: dense, autograd, grad / jvp, vmap,
 functionalize, fake, proxy.
+
+Compiled: Dynamo ``hop.compile._dynamo_scans.ScanVariable``; Inductor
+``hop.compile._inductor_rewrites.rewrite_scan`` (a while loop); ONNX
+``hop.compile._onnx_ops.translate_scan``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ Rules are switch's registrations of the shared branching rules (``_branching_rul
 in hop's fixed order: dense, autograd, grad / jvp, vmap, functionalize, fake,
 proxy. An index out of range is never clamped: eager raises, traced programs
 carry a runtime assert.
+
+Compiled: Dynamo ``hop.compile._dynamo_branching.SwitchVariable``; Inductor
+``hop.compile._inductor_rewrites.rewrite_switch`` (nested conds); ONNX
+``hop.compile._onnx_ops.translate_switch``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ O(iterations) memory, gradients to closed-over tensors). A condition batched by
 an enclosing vmap is read element-wise: the loop runs while any element is
 active and finished elements are frozen with ``torch.where`` (the masked loop),
 so each element equals its own Python loop.
+
+Compiled: Dynamo ``hop.compile._dynamo_while.WhileLoopVariable``; Inductor
+``hop.compile.inductor._lower_while``; ONNX ``hop.compile._onnx_ops.translate_while_loop``.
 """
 
 from __future__ import annotations
