@@ -19,7 +19,8 @@ A row that fails prints ``n/a (reason)``. Run:
 loop with an invariant projection, a gated block with a shared prefix, a configured
 block) with Inductor instead: hop as it is, hop with ``hop.passes.inductor``'s
 optimize pass, and torch's twin (torch's cond and while_loop), each timed per call
-(no grad; CPU time of one thread) and checked against the hop model in eager.
+(no grad; CPU time of one thread; each in a fresh process, the three taking turns
+for three rounds) and checked against the hop model in eager.
 
 ``--warm`` measures warm starts instead: per program, two fresh processes share one
 ``TORCHINDUCTOR_CACHE_DIR`` (caches on) and each times its first compiled call
@@ -32,11 +33,10 @@ from __future__ import annotations
 import os
 import sys
 
-if "--child" not in sys.argv and "--warm" not in sys.argv:
+if "--child" not in sys.argv and "--warm" not in sys.argv:  # --model-child compiles with caches off
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # every first call compiles
 
 import argparse
-import contextlib
 import subprocess
 import tempfile
 import time
@@ -200,40 +200,58 @@ class _TorchConfigured(Configured):
         return out
 
 
-def models() -> None:
-    """The table of ``--models``."""
+_MODELS = {
+    "decoder loop, invariant projection": (Decoder, _TorchDecoder, (8, 64)),
+    "gated block, shared prefix": (Gated, _TorchGated, (32, 256)),
+    "configured block (constants, 1-step loop)": (Configured, _TorchConfigured, (8, 64)),
+}
+_IMPLS = ("hop", "hop + passes", "torch")
+
+
+def model_child(name: str, impl: str) -> None:
+    """One process of ``--models``: compile one program one way; print its compile s and us per call."""
     from torch._inductor import config
 
     import hop.passes.inductor
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    rows = [
-        ("decoder loop, invariant projection", Decoder(), _TorchDecoder, torch.randn(8, 64)),
-        ("gated block, shared prefix", Gated(), _TorchGated, torch.randn(32, 256)),
-        ("configured block (constants, 1-step loop)", Configured(), _TorchConfigured, torch.randn(8, 64)),
-    ]
+    model_type, twin_type, shape = _MODELS[name]
+    model, x = model_type(), torch.randn(shape)
+    m = model if impl != "torch" else twin_type()
+    m.load_state_dict(model.state_dict())
+    passes = hop.passes.inductor.chain(None) if impl == "hop + passes" else config.post_grad_custom_pre_pass
+    with torch.no_grad(), config.patch(post_grad_custom_pre_pass=passes):
+        compiled = torch.compile(m, backend="inductor", fullgraph=True)
+        seconds, got = _timed(lambda: compiled(x))
+        torch.testing.assert_close(got, model(x))
+        us = per_call_us(lambda: compiled(x), number=100, repeat=7, timer=time.process_time)
+    print(f"{seconds:.2f} {us:.2f}")
+
+
+def models(rounds: int = 3) -> None:
+    """The table of ``--models``: each (program, impl) in a fresh process, the impls
+    taking turns for ``rounds`` rounds (run-to-run drift on a shared machine is larger
+    than the differences); the best time per call, the median compile time."""
     header = ["program", "impl", "compile s", "inductor us", "/ torch"]
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
-    for name, model, twin_type, x in rows:
-        twin = twin_type()
-        twin.load_state_dict(model.state_dict())
-        want = model(x)
-        impls = [("hop", model, None), ("hop + passes", model, hop.passes.inductor.chain(None)), ("torch", twin, None)]
-        cells = []
-        for impl, m, passes in impls:
-            torch._dynamo.reset()
-            patch = config.patch(post_grad_custom_pre_pass=passes) if passes else contextlib.nullcontext()
-            with torch.no_grad(), patch:
-                compiled = torch.compile(m, backend="inductor", fullgraph=True)
-                seconds, got = _timed(lambda: compiled(x))  # noqa: B023
-                torch.testing.assert_close(got, want)
-                us = per_call_us(lambda: compiled(x), number=100, repeat=7, timer=time.process_time)  # noqa: B023
-            cells.append((impl, seconds, us))
-        base = cells[-1][2]
-        for impl, seconds, us in cells:
-            print(" | ".join([name, impl, f"{seconds:.1f}", f"{us:.1f}", f"{us / base:.2f}x"]), flush=True)
+    for name in _MODELS:
+        runs: dict[str, list[tuple[float, float]]] = {impl: [] for impl in _IMPLS}
+        for _ in range(rounds):
+            for impl in _IMPLS:
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--model-child", name, impl], capture_output=True, text=True
+                )
+                if proc.returncode:
+                    raise RuntimeError(f"{name} / {impl}: {proc.stderr.strip()[-2000:]}")
+                compile_s, us = proc.stdout.split()[-2:]
+                runs[impl].append((float(compile_s), float(us)))
+        base = min(us for _, us in runs["torch"])
+        for impl in _IMPLS:
+            compile_s = sorted(c for c, _ in runs[impl])[rounds // 2]
+            us = min(u for _, u in runs[impl])
+            print(" | ".join([name, impl, f"{compile_s:.1f}", f"{us:.1f}", f"{us / base:.2f}x"]), flush=True)
 
 
 def child(name: str, impl: str) -> None:
@@ -279,11 +297,14 @@ def main() -> None:
     parser.add_argument("--models", action="store_true", help="realistic programs: hop, hop + passes, torch")
     parser.add_argument("--warm", action="store_true", help="cold and warm starts from the compile caches")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--model-child", nargs=2, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     wanted = set(filter(None, opts.ops.split(",")))
     warnings.filterwarnings("ignore")
     if opts.child:
         return child(*opts.child)
+    if opts.model_child:
+        return model_child(*opts.model_child)
     if opts.warm:
         return warm(wanted)
     if opts.models:
