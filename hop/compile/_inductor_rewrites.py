@@ -25,6 +25,7 @@ from hop.ops.switch import switch_op
 
 __all__ = [
     "REWRITES",
+    "INT_READS",
     "bound_int_outputs",
     "cond_needs_rewrite",
     "free_symbols",
@@ -105,8 +106,9 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
 # the node's int, or its symbolic size expressed in the inputs' sizes. A value
 # they disagree on is an unbacked symbol the hop node defines; the read defines
 # it instead (its node takes over the hop node's binding, see
-# ``hop.compile.inductor._rebind_items``), so the code after the cond, which
-# uses that symbol, is unchanged.
+# ``hop.compile.inductor._rebind_items``, which finds each read by the symbol it
+# returned, recorded under INT_READS), so the code after the cond, which uses that
+# symbol, is unchanged.
 
 
 def cond_needs_rewrite(node: torch.fx.Node) -> bool:
@@ -126,6 +128,11 @@ def _drop_nones(operands: Sequence[Any], fns: Sequence[Fn]) -> tuple[tuple[Any, 
         return [None if o is None else next(it) for o in operands]
 
     return tuple(o for o in operands if o is not None), [lambda *kept, f=f: f(*full(kept)) for f in fns]
+
+
+# meta key of a branching node being rewritten: output position -> the symbols its
+# .item() reads got in the rewrite's traces (one per trace)
+INT_READS = "hop_int_reads"
 
 
 def bound_int_outputs(node: torch.fx.Node) -> dict[int, Any]:
@@ -223,7 +230,12 @@ def _int_outputs(name: str, node: torch.fx.Node, out: Sequence[Any], inputs: Seq
         if isinstance(meta, torch.Tensor):
             result.append(v)
         elif k in bound:
-            result.append(v.item())
+            read = v.item()
+            # which read defines which symbol, for _rebind_items: by the read's own
+            # symbol, not by its place among the reads the rewrite traced
+            if isinstance(read, torch.SymInt) and read.node.expr.is_Symbol:
+                node.meta.setdefault(INT_READS, {}).setdefault(k, set()).add(read.node.expr)
+            result.append(read)
         elif isinstance(meta, torch.SymInt):
             result.append(_sizes(name, [meta], inputs)[0])
         else:

@@ -508,32 +508,39 @@ def _rewrite(node: torch.fx.Node, rewrite: Fn) -> None:
     added = match.replace_by_example(
         replacement, [*inputs, *_symbol_sources(node, inputs)], run_functional_passes=False
     )
-    _rebind_items(added, {symbol: vals[k] for k, symbol in sorted(bound.items())})
+    _rebind_items(added, node, {k: (symbol, vals[k]) for k, symbol in sorted(bound.items())})
 
 
-def _rebind_items(added: Sequence[torch.fx.Node], bound: dict[Any, Any]) -> None:
+def _rebind_items(added: Sequence[torch.fx.Node], node: torch.fx.Node, bound: dict[int, Any]) -> None:
     """Note [int outputs of branches]: the rewrite read each int output the hop node
-    defined (``bound``: symbol -> its value, in output order) with one ``.item()``, in
-    that order, after tracing the branches; each read now defines the node's symbol
-    instead of a fresh one. The reads are the last ones the rewrite traced: a switch
-    of one branch is inlined, and reads of that branch's own come before them."""
+    defined (``bound``: output position -> (its symbol, its value)) with one
+    ``.item()``; that read now defines the node's symbol instead of a fresh one. Each
+    read is found by the symbol it returned in the rewrite's trace (recorded under
+    ``rw.INT_READS``): a switch of one branch is inlined, and that branch's own reads
+    sit among them."""
     items = [n for n in added if n.target is torch.ops.aten._local_scalar_dense.default]
-    if len(items) < len(bound):
-        raise HopRuntimeError(
-            format_message("compile", f"Inductor: {len(bound)} int outputs but {len(items)} reads were rewritten"),
-            op="compile",
-        )
-    reads = items[len(items) - len(bound) :]
-    for item, (symbol, val) in zip(reads, bound.items(), strict=True):
-        item.meta["val"] = val
-        item.meta["unbacked_bindings"] = {symbol: ()}
+    recorded: dict[int, set[Any]] = node.meta.pop(rw.INT_READS, {})
+
+    def symbol_of(item: torch.fx.Node) -> Any:
+        val = item.meta.get("val")
+        return val.node.expr if isinstance(val, torch.SymInt) else None
+
+    reads = set()
+    for k, (symbol, val) in bound.items():
+        found = [n for n in items if symbol_of(n) in recorded.get(k, ())]
+        if len(found) != 1:
+            what = f"Inductor: output {k}, an int the branches return, was read {len(found)} times, not once"
+            raise HopRuntimeError(format_message("compile", what), op="compile")
+        found[0].meta["val"] = val
+        found[0].meta["unbacked_bindings"] = {symbol: ()}
+        reads.add(found[0])
     # The inlined branch's own reads: the retrace gave each a fresh symbol but no
     # binding, and Inductor's fake-tensor update, rerunning them, could not tell the
     # new symbol for the old one (it fails comparing the conditions that use them).
-    for item in items[: len(items) - len(bound)]:
-        val = item.meta.get("val")
-        if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and "unbacked_bindings" not in item.meta:
-            item.meta["unbacked_bindings"] = {val.node.expr: ()}
+    for item in items:
+        symbol = symbol_of(item)
+        if item not in reads and symbol is not None and symbol.is_Symbol and "unbacked_bindings" not in item.meta:
+            item.meta["unbacked_bindings"] = {symbol: ()}
 
 
 def _allow_scalar_outputs() -> None:
