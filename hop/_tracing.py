@@ -109,8 +109,8 @@ def unknown_value(value: Any) -> Any:
     return fresh
 
 
-def emit(mode: Any, op: Any, args: Sequence[Any], out: Any) -> Any:
-    """Record ``op(*args)`` in ``mode``'s graph and bind ``out`` to the new node.
+def emit(mode: Any, op: Any, args: Sequence[Any], out: Any, kwargs: dict[str, Any] | None = None) -> Any:
+    """Record ``op(*args, **kwargs)`` in ``mode``'s graph and bind ``out`` to the new node.
 
     GraphModules in ``args`` (also inside lists and tuples) are registered as
     submodules of the tracer's root, so they appear as get_attr arguments.
@@ -128,7 +128,7 @@ def emit(mode: Any, op: Any, args: Sequence[Any], out: Any) -> Any:
     from torch.fx.experimental.proxy_tensor import track_tensor_tree
 
     proxy_args = py_pytree.tree_map(to_arg, tuple(args))
-    out_proxy = tracer.create_proxy("call_function", op, proxy_args, {})
+    out_proxy = tracer.create_proxy("call_function", op, proxy_args, dict(kwargs or {}))
     if _observe.SINKS or _observe.structured_on():
         from hop._observe_traced import traced_node
 

@@ -328,6 +328,8 @@ class HopVariable(TorchHigherOrderOperatorVariable):
     # Unlike torch's control-flow handlers: a graph break here is not an error, the call
     # then runs eagerly (with fullgraph=True, Dynamo raises it).
     _ALLOW_FALLBACK_TO_EAGER = True
+    # the keywords raw_call takes (while_loop's checkpoint, Note [the checkpoint keyword])
+    _RAW_KEYWORDS: frozenset[str] = frozenset()
 
     def _call_function(self, tx: Any, args: Sequence[VT], kwargs: dict[str, VT]) -> VT:
         args, kwargs = LazyVariableTracker.realize_all((list(args), dict(kwargs)))
@@ -338,9 +340,11 @@ class HopVariable(TorchHigherOrderOperatorVariable):
                 bound.apply_defaults()
                 params = {name: _as_variable(value) for name, value in bound.arguments.items()}
                 return self.public_call(tx, public.__name__, params)
-            if kwargs:
+            if kwargs.keys() - self._RAW_KEYWORDS:
                 name = self.value.__name__
                 raise unsupported(name, "a raw operator call with keyword arguments", fix="Pass them positionally.")
+            if kwargs:
+                return self.raw_call(tx, list(args), **kwargs)
             return self.raw_call(tx, list(args))
 
     def public_call(self, tx: Any, public: str, params: dict[str, VT]) -> VT:

@@ -82,8 +82,20 @@ def _generic_carries(tx: Any, leaves: Sequence[Any], varying: list[set[int]]) ->
     return fresh(tx, generic)
 
 
+def _refuse_checkpoint(checkpoint: VT) -> None:
+    """Compiled reverse mode has no checkpointed schedule: refuse rather than keep every step."""
+    _checkpoint.check_flag(example(checkpoint))
+    if example(checkpoint):
+        raise unsupported(
+            "while_loop",
+            "checkpoint=True (reverse mode with bounded memory)",
+            fix="Leave checkpoint out under torch.compile, or call this loop outside the compiled function.",
+        )
+
+
 class WhileLoopVariable(HopVariable):
     _HOP_NAME = "hop.while_loop"
+    _RAW_KEYWORDS = frozenset({"checkpoint"})
 
     def public_call(self, tx: Any, public: str, params: dict[str, VT]) -> VT:
         if public == "fori_loop":
@@ -93,13 +105,7 @@ class WhileLoopVariable(HopVariable):
         fns = (callable_stand_in(tx, cond_fn), callable_stand_in(tx, body_fn))
         listed = isinstance(carried, BaseListVariable)
         _while_checks.check_arguments(*fns, example_tree(tx, carried) if listed else shown(carried))
-        _checkpoint.check_flag(example(checkpoint))
-        if example(checkpoint):
-            raise unsupported(
-                "while_loop",
-                "checkpoint=True (reverse mode with bounded memory)",
-                fix="Leave checkpoint out under torch.compile, or call this loop outside the compiled function.",
-            )
+        _refuse_checkpoint(checkpoint)
 
         def check(carry: Any, out: Any) -> None:
             out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -111,7 +117,9 @@ class WhileLoopVariable(HopVariable):
         out = self.loop(tx, cond_fn, body_fn, items(tx, carried), [], fns, check)
         return unflatten(tx, out, spec)
 
-    def raw_call(self, tx: Any, args: list[VT]) -> VT:
+    def raw_call(self, tx: Any, args: list[VT], checkpoint: VT | None = None) -> VT:
+        if checkpoint is not None:  # a traced graph's node (ep.module()), Note [the checkpoint keyword]
+            _refuse_checkpoint(checkpoint)
         cond_fn, body_fn, carried, additional = args
         fns = (callable_stand_in(tx, cond_fn), callable_stand_in(tx, body_fn))
         out = self.loop(tx, cond_fn, body_fn, items(tx, carried), items(tx, additional), fns, _no_check)

@@ -185,8 +185,13 @@ def _switch_chain(
 
 
 def translate_while_loop(
-    cond_fn: ir.Function, body_fn: ir.Function, carries: Sequence[Any], additional: Sequence[Any]
+    cond_fn: ir.Function,
+    body_fn: ir.Function,
+    carries: Sequence[Any],
+    additional: Sequence[Any],
+    checkpoint: bool = False,
 ) -> Outputs:
+    """A ``Loop``; ``checkpoint`` only chose a reverse mode (Note [the checkpoint keyword])."""
     nodes = _Nodes(outer=True)
     init = _values(nodes, carries, body_fn, 0, "while_loop")
     extra = _values(nodes, additional, body_fn, len(init), "while_loop")

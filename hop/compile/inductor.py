@@ -177,8 +177,11 @@ def _tuple_outputs(*graphs: torch.fx.GraphModule) -> None:
             gm.recompile()
 
 
-def _lower_while(torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: Any, additional_inputs: Any) -> Any:
-    """torch's lowering; a single carry is returned bare, as the op does."""
+def _lower_while(
+    torch_while: Fn, cond_fn: Any, body_fn: Any, carried_inputs: Any, additional_inputs: Any, checkpoint: bool = False
+) -> Any:
+    """torch's lowering; a single carry is returned bare, as the op does. ``checkpoint``
+    chose the reverse mode, which is already in the graph (Note [the checkpoint keyword])."""
     from torch._inductor.virtualized import V
 
     node = V.graph.current_node

@@ -1,18 +1,15 @@
-"""A while_loop as one autograd node, and the ``checkpoint=True`` flag that reaches it.
+"""A while_loop as one autograd node, and the raw op's ``checkpoint`` keyword.
 
 Where the loop cannot run inline (traced carries, or ``checkpoint=True``), the
 autograd, grad and jvp rules make it one node (:func:`as_node`): forward mode is
 a loop over (carry, tangent), reverse mode is Note [reverse mode of a traced loop]
-(``_loop_reverse``). The raw op's signature is torch's and has no checkpoint flag,
-so the public function sets :data:`CHECKPOINT` around its call and the node reads
-it. The raw op is passed in by ``hop.ops.while_loop``, which imports this module.
+(``_loop_reverse``). The raw op is passed in by ``hop.ops.while_loop``, which
+imports this module.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -114,29 +111,33 @@ class _LoopFunction(torch.autograd.Function):
         return (None, *t_full)
 
 
-# Whether the loop being called asked for checkpoint=True. Set by while_loop() around
-# the raw op (whose signature is torch's and has no such flag), read by the autograd
-# node the call reaches; every while_loop() call sets its own, nested ones included.
-CHECKPOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("hop_while_loop_checkpoint", default=False)
+# Note [the checkpoint keyword]
+# The raw op is torch's while_loop(cond_fn, body_fn, carried_inputs,
+# additional_inputs) plus one keyword, checkpoint, which only the reverse mode
+# reads. It is passed, and so recorded in a traced node, only when True: a graph of
+# a loop without it is the graph torch's lowering and exporters know, and a
+# graph with it trains (ep.module() with grad) with the bounded-memory reverse mode
+# it asked for. Every rule takes it; those that call the op again pass it on.
 
 
-@contextlib.contextmanager
-def checkpointing(checkpoint: bool) -> Iterator[None]:
-    """Set CHECKPOINT for the autograd node this while_loop() call's raw op reaches."""
-    token = CHECKPOINT.set(checkpoint)
-    try:
-        yield
-    finally:
-        CHECKPOINT.reset(token)
+def flag(checkpoint: bool) -> dict[str, bool]:
+    """The raw op's keywords for ``checkpoint`` (Note [the checkpoint keyword])."""
+    return {"checkpoint": True} if checkpoint else {}
 
 
 def as_node(
-    op: Any, cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], level: int | None = None
+    op: Any,
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried: Sequence[Any],
+    additional: Sequence[Any],
+    checkpoint: bool,
+    level: int | None = None,
 ) -> Any:
     """One autograd node for the raw op ``op``; what the functions close over and need
     grad for becomes additional inputs (Note [closure conversion] in hop._closures)."""
     (cond_fn, body_fn), captured = _subgraph.convert_closures([cond_fn, body_fn], [*carried, *additional], level)
     additional = (*additional, *captured)
     apply: Callable[..., Any] = _LoopFunction.apply
-    out = apply(op, cond_fn, body_fn, len(carried), CHECKPOINT.get(), *carried, *additional)[1:]
+    out = apply(op, cond_fn, body_fn, len(carried), checkpoint, *carried, *additional)[1:]
     return out[0] if len(out) == 1 else out

@@ -24,6 +24,7 @@ Compiled: Dynamo ``hop.compile._dynamo_while.WhileLoopVariable``; Inductor
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,19 +112,23 @@ def while_loop(
         if _SINKS:  # count the trips
             cond_fn = _observe.counted(_NAME, cond_fn)
         return _while_run.run_eager(cond_fn, body_fn, carried_inputs, leaves)
-    with _while_node.checkpointing(checkpoint):  # read by the autograd node (Note [reverse mode of a traced loop])
-        out = while_loop_op(flat_cond, flat_body, tuple(leaves), ())
+    out = while_loop_op(flat_cond, flat_body, tuple(leaves), (), **_while_node.flag(checkpoint))
     return _subgraph.unflatten(list(as_tuple(out)) if len(leaves) != 1 else [out], spec)
 
 
 def _inline_or_node(
-    cond_fn: Fn, body_fn: Fn, carried: Sequence[Any], additional: Sequence[Any], level: int | None = None
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried: Sequence[Any],
+    additional: Sequence[Any],
+    checkpoint: bool,
+    level: int | None = None,
 ) -> Any:
     """Autograd, grad and jvp: Note [loops run inline] when concrete, else one autograd node
     (always one under ``checkpoint=True``: its backward keeps about sqrt(n) carries)."""
-    if runs_inline(carried, additional) and not _while_node.CHECKPOINT.get():
+    if runs_inline(carried, additional) and not checkpoint:
         return while_loop_dense(cond_fn, body_fn, carried, additional)
-    return _while_node.as_node(while_loop_op, cond_fn, body_fn, carried, additional, level)
+    return _while_node.as_node(while_loop_op, cond_fn, body_fn, carried, additional, checkpoint, level)
 
 
 # --- the raw op and its rules -----------------------------------------------------------------
@@ -151,35 +156,65 @@ SPEC = _spec.register(
 
 
 @while_loop_op.py_impl(DispatchKey.CompositeExplicitAutograd)
-def while_loop_dense(cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+def while_loop_dense(
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried_inputs: Sequence[Any],
+    additional_inputs: Sequence[Any],
+    *,
+    checkpoint: bool = False,
+) -> Any:
     out = _while_run.run(cond_fn, body_fn, carried_inputs, additional_inputs)
     return no_alias(same_form(tuple(carried_inputs), out) if len(out) != 1 else out[0], carried_inputs)
 
 
 @while_loop_op.py_autograd_impl
 def while_loop_autograd(
-    cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried_inputs: Sequence[Any],
+    additional_inputs: Sequence[Any],
+    *,
+    checkpoint: bool = False,
 ) -> Any:
-    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs)
+    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs, checkpoint)
 
 
 @while_loop_op.py_impl(TransformType.Grad)
 def while_loop_grad(
-    interpreter: Any, cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
+    interpreter: Any,
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried_inputs: Sequence[Any],
+    additional_inputs: Sequence[Any],
+    *,
+    checkpoint: bool = False,
 ) -> Any:
-    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs, interpreter.level())
+    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs, checkpoint, interpreter.level())
 
 
 @while_loop_op.py_impl(TransformType.Jvp)
 def while_loop_jvp(
-    interpreter: Any, cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
+    interpreter: Any,
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried_inputs: Sequence[Any],
+    additional_inputs: Sequence[Any],
+    *,
+    checkpoint: bool = False,
 ) -> Any:
-    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs, interpreter.level())
+    return _inline_or_node(cond_fn, body_fn, carried_inputs, additional_inputs, checkpoint, interpreter.level())
 
 
 @while_loop_op.py_impl(TransformType.Vmap)
 def while_loop_vmap(
-    interpreter: Any, cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
+    interpreter: Any,
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried_inputs: Sequence[Any],
+    additional_inputs: Sequence[Any],
+    *,
+    checkpoint: bool = False,
 ) -> Any:
     """Concrete: the masked loop inline. Traced: one loop a level down that runs while
     any element is active and freezes finished ones."""
@@ -213,25 +248,37 @@ def while_loop_vmap(
         )
 
     with interpreter.lower():
-        out = while_loop_op(any_active, masked_body, tuple(carried), tuple(extra))
+        out = while_loop_op(any_active, masked_body, tuple(carried), tuple(extra), **_while_node.flag(checkpoint))
     return same_form(out, _transforms.add_batch_dims(as_tuple(out), level))
 
 
 @while_loop_op.py_functionalize_impl
 def while_loop_functionalize(
-    ctx: Any, cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
+    ctx: Any,
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried_inputs: Sequence[Any],
+    additional_inputs: Sequence[Any],
+    *,
+    checkpoint: bool = False,
 ) -> Any:
     carried, extra = ctx.unwrap_tensors(list(carried_inputs)), ctx.unwrap_tensors(list(additional_inputs))
     with ctx.redispatch_to_next():
         cond = _subgraph.functionalize_body(ctx, cond_fn, _NAME, "cond_fn")
         body = _subgraph.functionalize_body(ctx, body_fn, _NAME, "body_fn")
-        out = while_loop_op(cond, body, tuple(carried), tuple(extra))
+        out = while_loop_op(cond, body, tuple(carried), tuple(extra), **_while_node.flag(checkpoint))
     return ctx.wrap_tensors(out)
 
 
 @while_loop_op.py_impl(FakeTensorMode)
 def while_loop_fake(
-    mode: FakeTensorMode, cond_fn: Fn, body_fn: Fn, carried_inputs: Sequence[Any], additional_inputs: Sequence[Any]
+    mode: FakeTensorMode,
+    cond_fn: Fn,
+    body_fn: Fn,
+    carried_inputs: Sequence[Any],
+    additional_inputs: Sequence[Any],
+    *,
+    checkpoint: bool = False,
 ) -> Any:
     """The final carry: what stays fixed across iterations keeps its size; what changes
     (int carries, growing dimensions) becomes a fresh unbacked size."""
@@ -249,12 +296,22 @@ def while_loop_proxy(
     body_fn: Fn,
     carried_inputs: Sequence[Any],
     additional_inputs: Sequence[Any],
+    *,
+    checkpoint: bool = False,
 ) -> Any:
-    """Trace cond and body on carries generalized to every iteration's sizes; one node."""
+    """Trace cond and body on carries generalized to every iteration's sizes; one node
+    (with ``checkpoint=True`` only where it was asked for: other graphs stay as they were)."""
     fake_mode = torch._guards.detect_fake_mode([*carried_inputs, *additional_inputs])
     shape_env = fake_mode.shape_env if fake_mode is not None else None
     if shape_env is not None and any(type(c) is int for c in carried_inputs):
-        return ints_as_tensors(while_loop_op, mode, cond_fn, body_fn, carried_inputs, additional_inputs)
+        return ints_as_tensors(
+            functools.partial(while_loop_op, **_while_node.flag(checkpoint)),
+            mode,
+            cond_fn,
+            body_fn,
+            carried_inputs,
+            additional_inputs,
+        )
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         templates = generalize_carries(
             _NAME, body_fn, tuple(carried_inputs), tuple(additional_inputs), shape_env, fresh=False
@@ -273,8 +330,9 @@ def while_loop_proxy(
         fix="Return the new carry from body_fn instead of writing the old one.",
     )
     extra = (*additional_inputs, *lifted)
+    flag = _while_node.flag(checkpoint)
     with recording() as fresh:
-        out = while_loop_op(cond_graph, body_graph, tuple(carried_inputs), extra)
-    result = _subgraph.emit(mode, while_loop_op, (cond_graph, body_graph, tuple(carried_inputs), extra), out)
+        out = while_loop_op(cond_graph, body_graph, tuple(carried_inputs), extra, **flag)
+    result = _subgraph.emit(mode, while_loop_op, (cond_graph, body_graph, tuple(carried_inputs), extra), out, flag)
     assert_ranges(mode, _NAME, as_tuple(result), fresh, root="carry", why=DERIVED)
     return result

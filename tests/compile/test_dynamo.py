@@ -316,6 +316,24 @@ def test_unsupported_raises_with_fullgraph_and_breaks_the_graph_without(fn: Fn, 
     assert any(reason.startswith(message) for reason in counters["graph_break"])
 
 
+def test_a_traced_checkpointed_loop_is_refused_like_the_public_call() -> None:
+    """Note [the checkpoint keyword]: ep.module() holds the raw op with checkpoint=True;
+    compiling it refuses as compiling the public call does, and breaks the graph without
+    fullgraph."""
+
+    class Loop(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            return checkpointed(x)
+
+    module = torch.export.export(Loop(), (torch.ones(3),)).module()
+    message = UNSUPPORTED[0][1]
+    with pytest.raises(CompileUnsupported) as info:
+        compiled(module, "eager")(torch.ones(3))
+    assert str(info.value).startswith(message)
+    torch._dynamo.reset()
+    assert_close(torch.compile(module, backend="eager")(torch.ones(3)), checkpointed(torch.ones(3)))
+
+
 def test_user_mistakes_raise_eagers_error() -> None:
     def f(x: torch.Tensor) -> Any:
         return hop.cond(x.sum() > 0, lambda a: a, lambda a: a.double(), (x,))

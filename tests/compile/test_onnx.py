@@ -122,6 +122,13 @@ class WhileCount(torch.nn.Module):
         return hop.while_loop(lambda i, a: a.sum() < 100, lambda i, a: (i + 1, a * 2), (0, x))
 
 
+class WhileCheckpointed(torch.nn.Module):
+    """checkpoint=True, recorded on the node, chooses only a reverse mode: a plain Loop."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return hop.while_loop(lambda a: a.sum() < 100, lambda a: (a * 2,), (x,), checkpoint=True)
+
+
 class WhileGrowing(torch.nn.Module):
     """A carry that changes size between iterations."""
 
@@ -224,6 +231,13 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], Inputs, list[Inputs], Any,
         WhileCount,
         (torch.rand(3) + 0.5,),
         [(torch.full((3,), 50.0),), (torch.full((3,), 0.01),)],  # 0 and 12 trips
+        None,
+        {"Loop"},
+    ),
+    "while_loop_checkpointed": (
+        WhileCheckpointed,
+        (torch.ones(3),),
+        [(torch.full((3,), 20.0),), (torch.full((3,), 0.01),)],
         None,
         {"Loop"},
     ),

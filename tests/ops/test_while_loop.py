@@ -577,6 +577,56 @@ def test_traced_fori_loop_with_static_bounds_is_linear_too() -> None:
     torch.testing.assert_close(got, decay_step_ref(x * 2, w, torch.tensor(24)))
 
 
+def _sin_step(checkpoint: bool) -> Any:
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        body = lambda i, v: (i + 1, (v * w).sin() + zero_that_counts(v.detach()))  # noqa: E731
+        return hop.while_loop(lambda i, v: i < 16, body, (0, x), checkpoint=checkpoint)[1]
+
+    return step
+
+
+class _SinLoop(torch.nn.Module):
+    def __init__(self, checkpoint: bool) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(0.9, dtype=torch.float64))
+        self.step = _sin_step(checkpoint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.step(x, self.w)
+
+
+@pytest.mark.parametrize("how", ["make_fx", "export", "export_saved"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_traced_loop_keeps_its_checkpoint_flag(how: str, checkpoint: bool, tmp_path: Any) -> None:
+    """Note [the checkpoint keyword]: the traced node says checkpoint=True only where
+    it was asked for, and training the traced program takes the reverse mode it names:
+    the checkpointed one replays the body (4 runs a trip, see above), the plain one
+    runs inline (1 run a trip, autograd keeps every step)."""
+    x, w = torch.full((2,), 0.3, dtype=torch.float64), torch.tensor(0.9, dtype=torch.float64)
+    if how == "make_fx":
+        gm = make_fx(_sin_step(checkpoint), tracing_mode="symbolic")(x, w)
+        w_in = w.clone().requires_grad_()
+        code, call, params = gm.code, (lambda a: gm(a, w_in)), [w_in]
+    else:
+        ep = torch.export.export(_SinLoop(checkpoint), (x,))
+        if how == "export_saved":
+            torch.export.save(ep, tmp_path / "loop.pt2")
+            ep = torch.export.load(tmp_path / "loop.pt2")
+        code, module = ep.graph_module.code, ep.module()
+        call, params = module, list(module.parameters())
+    assert ("checkpoint = True" in code) == checkpoint, code
+    a = x.clone().requires_grad_()
+    BODY_RUNS[0] = 0
+    grads = torch.autograd.grad(call(a).sum(), [a, *params])
+    assert BODY_RUNS[0] == (4 if checkpoint else 1) * 16
+    w_ref = w.clone().requires_grad_()
+    a_ref = x.clone().requires_grad_()
+    y = a_ref
+    for _ in range(16):
+        y = (y * w_ref).sin()
+    torch.testing.assert_close(grads, torch.autograd.grad(y.sum(), [a_ref, w_ref]))
+
+
 def _hop_targets(gm: torch.fx.GraphModule) -> list[str]:
     return [n.target.name() for n in gm.graph.nodes if isinstance(n.target, hop.HigherOrderOperator)]
 
