@@ -539,6 +539,14 @@ def test_checkpointed_loop_gives_a_first_order_gradient_and_refuses_a_second() -
         torch.autograd.grad(g.sum(), w)
 
 
+def test_the_raw_while_loop_refuses_a_checkpoint_that_is_not_a_bool() -> None:
+    from hop.ops.while_loop import while_loop_op
+
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(HopTypeError, match=r"^hop\.while_loop: checkpoint must be True or False, got str 'no'"):
+        while_loop_op(lambda v: v.sum() < 4, lambda v: (v * 2,), (x,), (), checkpoint="no")
+
+
 def test_vmap_of_grad_with_a_batched_pred_and_an_integer_output() -> None:
     def loss(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         out = hop.cond(p, lambda a: (a.sin(), a.argmax()), lambda a: (a.cos(), a.argmin()), (x,))

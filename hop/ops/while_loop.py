@@ -126,6 +126,8 @@ def _inline_or_node(
 ) -> Any:
     """Autograd, grad and jvp: Note [loops run inline] when concrete, else one autograd node
     (always one under ``checkpoint=True``: its backward keeps about sqrt(n) carries)."""
+    if checkpoint is not False:  # the raw op called directly: checkpoint="no" would read as true
+        _checkpoint.check_flag(checkpoint)
     if runs_inline(carried, additional) and not checkpoint:
         return while_loop_dense(cond_fn, body_fn, carried, additional)
     return _while_node.as_node(while_loop_op, cond_fn, body_fn, carried, additional, checkpoint, level)
