@@ -19,7 +19,7 @@ import torch.fx
 from hop import _observe
 from hop._tracing import keeping_node_meta, trace_subgraph
 
-__all__ = ["trace_branches"]
+__all__ = ["distinct_inputs", "trace_branches"]
 
 
 # Note [closure lifting]
@@ -215,3 +215,49 @@ def _align_placeholders(
             old.replace_all_uses_with(new)
             graph.erase_node(old)
     gm.recompile()
+
+
+# Note [one placeholder per value]
+# torch's export names a cond subgraph's placeholders after the node's operands.
+# Two operands of one value (``cond(p, f, g, (x, x))``, or an operand the branch
+# also closes over, lifted beside it) give two placeholders one name, and the
+# subgraph's code fails to compile ("duplicate argument"); a Python number among
+# the operands has no name at all. Branches read their operands and never write
+# them (the effect check refuses it), so the copies are one input: each graph
+# keeps the first placeholder of a value and the node passes the value once. A
+# Python number was traced as a constant of each graph: its placeholder is unused
+# and the node does not pass it. Loops cannot do this: two carries that start
+# equal evolve apart, and a number carried changes.
+
+
+def distinct_inputs(
+    graphs: Sequence[torch.fx.GraphModule], args: Sequence[Any]
+) -> tuple[list[torch.fx.GraphModule], tuple[Any, ...]]:
+    """``graphs`` (each taking ``args``) taking each tensor or symbol of ``args`` once and
+    no Python number they do not read, and the args left (Note [one placeholder per value])."""
+    placeholders = [[n for n in gm.graph.nodes if n.op == "placeholder"] for gm in graphs]
+    keep: list[int] = []
+    first: dict[int, int | None] = {}  # a dropped position -> the kept one it repeats (None: a constant)
+    for j, a in enumerate(args):
+        if isinstance(a, bool | int | float) and all(not p[j].users for p in placeholders):
+            first[j] = None
+            continue
+        i = next((i for i in keep if _repeats(args[i], a)), None)
+        if i is None:
+            keep.append(j)
+        else:
+            first[j] = i
+    if not first:
+        return list(graphs), tuple(args)
+    for gm, nodes in zip(graphs, placeholders, strict=True):
+        for j, i in first.items():
+            if i is not None:
+                nodes[j].replace_all_uses_with(nodes[i])
+            gm.graph.erase_node(nodes[j])
+        gm.recompile()
+    return list(graphs), tuple(args[j] for j in keep)
+
+
+def _repeats(a: Any, b: Any) -> bool:
+    """``b`` is a second copy of ``a``: one tensor, or one symbolic expression."""
+    return isinstance(a, torch.Tensor | torch.SymInt | torch.SymBool | torch.SymFloat) and _same_value(a, b)

@@ -297,7 +297,7 @@ def proxy(b: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: S
             updates="operands",
             fix="Return the updated value from the branch instead of writing the operand.",
         )
-    all_operands = (*operands, *lifted)
+    graphs, all_operands = _lifting.distinct_inputs(graphs, (*operands, *lifted))
     with recording() as fresh:
         out = b.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
     for gm in graphs:

@@ -22,6 +22,8 @@ import hop
 from hop import _validation as validation
 from hop.errors import HopError, HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError
 from hop.ops.cond import cond_op
+from hop.ops.switch import switch_op
+from hop.testing import check
 
 # --- the program table: (hop program, plain-Python reference, inputs) ----------------------
 
@@ -625,6 +627,54 @@ def test_export_closure_over_a_size() -> None:
     ep = torch.export.export(Programs(fn), (torch.ones(3), torch.ones(5)), dynamic_shapes=dims)
     out = roundtrip(ep).module()(torch.ones(4), torch.ones(7))
     torch.testing.assert_close(out, torch.full((7,), 4.0))
+
+
+def _operand_twice(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return hop.cond(x.sum() > 0, lambda a, b: a * b + y, lambda a, b: a - b, (x, x))
+
+
+def _operand_also_closed_over(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return hop.cond(x.sum() > 0, lambda a: x * a.sin(), lambda a: a + y, (x,))
+
+
+def _nested_over_a_closed_over_operand(x: torch.Tensor, y: torch.Tensor) -> Any:
+    inner = lambda a: hop.cond(a.sum() > 0, lambda b: x + b, lambda b: y * b, (a,))  # noqa: E731
+    return hop.cond(x.sum() < 1, lambda a: x * inner(a).tanh(), lambda a: a, (x,))
+
+
+def _an_int_operand(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return hop.cond(x.sum() > 0, lambda a, k: a * k + y, lambda a, k: a - k, (x, 3))
+
+
+def _switch_of_an_operand_twice(x: torch.Tensor, y: torch.Tensor) -> Any:
+    index = (x.sum() > 0).long() + (y.sum() > 0).long()
+    return hop.switch(index, [lambda a, b: a * b, lambda a, b: a - b * y, lambda a, b: x], (x, x))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        _operand_twice,
+        _operand_also_closed_over,
+        _nested_over_a_closed_over_operand,
+        _an_int_operand,
+        _switch_of_an_operand_twice,
+    ],
+    ids=["operand_twice", "operand_also_closed_over", "nested", "int_operand", "switch"],
+)
+def test_a_value_given_twice_to_the_branches_traces_once(fn: Any) -> None:
+    # Note [one placeholder per value]: found by the compiled fuzzer's long profile (strict
+    # export: "duplicate argument 'xs_0' in function definition"); an int operand failed
+    # every export ("'int' object has no attribute 'name'")
+    x, y = torch.randn(3), torch.randn(3)
+    check(fn, x, y, transforms=("eager", "autograd", "export", "export_strict", "compile_aot_eager"))
+    ep = torch.export.export(Programs(fn), (x, y), strict=True)
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and node.target in (cond_op, switch_op):
+            operands = node.args[3] if node.target is cond_op else node.args[1]
+            assert len(set(operands)) == len(operands), node.format_node()
+    for case in ((x, y), (-x, y), (x, -y), (-x, -y)):
+        torch.testing.assert_close(roundtrip(ep).module()(*case), fn(*case))
 
 
 def test_export_branches_with_different_sizes_get_an_unbacked_size() -> None:
