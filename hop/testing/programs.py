@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import linecache
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -223,7 +223,9 @@ class Cond(Expr):
     """``hop.cond(pred(o), true_fn, false_fn, (o,))``; with ``sides``, the branches also
     return a 1-d tensor each (sizes may differ) and the node is a pair. With ``layout``,
     the operand also feeds a ``torch.cat`` (a compiler may then lay it out inside the
-    cat's buffer: a strided operand of the cond)."""
+    cat's buffer: a strided operand of the cond). With ``extra``, the branches take a
+    second operand: ``"twice"`` the operand again (unread), ``"int"`` the Python int 2
+    (the result scaled by it)."""
 
     name: str
     pred: Template
@@ -232,19 +234,28 @@ class Cond(Expr):
     operand: Expr
     sides: tuple[Template, Template] | None = None
     layout: bool = False
+    extra: Literal["twice", "int"] | None = None
 
     def source(self) -> str:
         t, f = self.true_fn, self.false_fn
         if self.sides is not None:
             t_src = t.source(lambda body: f"({body}, {self.sides[0](t.params[0])})")  # type: ignore[index]
             f_src = f.source(lambda body: f"({body}, {self.sides[1](f.params[0])})")  # type: ignore[index]
+        elif self.extra is not None:
+            t_src, f_src = (self._taking_extra(fn) for fn in (t, f))
         else:
             t_src, f_src = t.source(), f.source()
-        call = f"hop.cond({self.pred(self.name)}, {t_src}, {f_src}, ({self.name},))"
+        operands = {None: f"{self.name},", "twice": f"{self.name}, {self.name}", "int": f"{self.name}, 2"}[self.extra]
+        call = f"hop.cond({self.pred(self.name)}, {t_src}, {f_src}, ({operands}))"
         if self.layout:
             n = self.name
             call = f"({call} + torch.cat([{n}.unsqueeze(-1), {n}.unsqueeze(-1) * 2.0], -1)[..., 1])"
         return _let(self.name, self.operand, call)
+
+    def _taking_extra(self, fn: Lambda) -> str:
+        extra = f"{fn.params[0]}_extra"
+        body = fn.body.source() if self.extra == "twice" else f"({fn.body.source()}) * {extra}"
+        return f"lambda {fn.params[0]}, {extra}: {body}"
 
     def children(self) -> Iterator[Expr]:
         yield from (self.true_fn.body, self.false_fn.body, self.operand)

@@ -13,7 +13,7 @@ Draws shrink toward plain variables, so a failure reduces to a short program.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from hypothesis import strategies as st
@@ -112,7 +112,8 @@ class _Draw:
         name = self.fresh("o")
         operand = self.expr(scope, shape, depth)
         t, f = self.one(scope, shape, depth), self.one(scope, shape, depth)
-        return P.Cond(name, self.pick(P.PREDICATES), t, f, operand, layout=self.draw(st.booleans()))
+        extra: Literal["twice", "int"] | None = self.draw(st.sampled_from([None, None, "twice", "int"]))
+        return P.Cond(name, self.pick(P.PREDICATES), t, f, operand, layout=self.draw(st.booleans()), extra=extra)
 
     def switch(self, scope: list[tuple[str, Shape]], shape: Shape, depth: int) -> P.Expr:
         name = self.fresh("o")
