@@ -35,17 +35,32 @@ def assert_same(actual: Any, expected: Any, what: str) -> None:
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6, msg=lambda m, k=k: f"{what}, output {k}: {m}")
 
 
-def check_compile(model: Callable[..., Any], cases: Sequence[Case], backend: str, dynamic: bool = True) -> None:
+def _compile(model: Callable[..., Any], backend: str, dynamic: bool | None) -> Callable[..., Any]:
+    """``model`` compiled with ``fullgraph=True``, each dynamic size its own symbol.
+
+    Without duck sizing, an example's batch of 3 beside a model width of 3 no longer
+    gets one symbol that the width then pins to 3: the compile stays dynamic instead
+    of being specialized to the first case and compiled again for the next.
+    """
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+
+    def run(*args: Any) -> Any:
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args)
+
+    return run
+
+
+def check_compile(model: Callable[..., Any], cases: Sequence[Case], backend: str, dynamic: bool = True) -> None:
+    compiled = _compile(model, backend, dynamic)
     for k, case in enumerate(cases):
         assert_same(compiled(*case), model(*case), f"torch.compile({backend}) case {k}")
 
 
 def check_compile_grad(model: Callable[..., Any], cases: Sequence[Case], backend: str) -> None:
     """Gradients of ``model(*case)``'s outputs summed, w.r.t. its floating inputs and parameters."""
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled = _compile(model, backend, None)
 
     def grads(fn: Callable[..., Any], case: Case) -> list[torch.Tensor]:
         case = tuple(c.detach().requires_grad_() if _differentiable(c) else c for c in case)
@@ -123,8 +138,7 @@ def check_compile_training(
     """One compiled training graph: its outputs and the gradients of ``loss(outputs)``
     (default: the outputs summed) w.r.t. the floating inputs and the parameters equal
     ``reference``'s (default: eager ``model``), case by case."""
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    compiled = _compile(model, backend, True)
     reference = model if reference is None else reference
 
     def total(out: Any) -> torch.Tensor:
