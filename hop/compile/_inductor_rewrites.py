@@ -432,9 +432,12 @@ def _dense_like(name: str, t: Any, inputs: Sequence[Any]) -> Any:
 
 
 def _is_dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s strides are known to be contiguous ones. Decided on the sizes'
-    expressions: no guard is added, and no SymInt arithmetic is traced (a size a meta
-    holds may be no value the rewrite's tracer knows)."""
+    """Whether ``t``'s strides are known to be contiguous ones, size-1 dims included:
+    a (n, 1) slice of stride (1, n) is copied too, since a body traced on stride
+    (1, 1) that returns it beside a new tensor from a cond's branches would give
+    torch's cond branch outputs whose stride orders differ, which it refuses.
+    Decided on the sizes' expressions: no guard is added, and no SymInt arithmetic
+    is traced (a size a meta holds may be no value the rewrite's tracer knows)."""
     import sympy
 
     def expr(v: Any) -> Any:
@@ -442,7 +445,7 @@ def _is_dense(t: torch.Tensor) -> bool:
 
     expected = sympy.Integer(1)
     for size, stride in reversed(list(zip(map(expr, t.shape), map(expr, t.stride()), strict=True))):
-        if size != 1 and sympy.expand(stride - expected) != 0:
+        if sympy.expand(stride - expected) != 0:
             return False
         expected = expected * size
     return True

@@ -361,3 +361,29 @@ def test_a_one_branch_switch_over_a_loop_with_a_tensor_bound(fn: Any) -> None:
     # the loop's bound is read with .item() inside the inlined branch: that read is not
     # one of the switch's int outputs
     check(fn, torch.tensor(0.5), torch.tensor(0.3), transforms=("eager", "compile_inductor"))
+
+
+def _switch_in_a_loop_over_a_scanned_carry(x: torch.Tensor, y: torch.Tensor) -> Any:
+    # the associative_scan over the last dim returns a (n, 1) tensor of strides (1, n)
+    start = hop.associative_scan(lambda a, b: a + b, y * 0.75, dim=-1, reverse=True, combine_mode="pointwise")
+    return hop.fori_loop(
+        2,
+        4,
+        lambda i, a: (
+            hop.switch(x.numel() % 2, [lambda o: a - a.sum(-1, keepdim=True) * 0.5, lambda o: a], (x,)) + 0.1 * i
+        ),
+        start,
+    )
+
+
+def test_a_switch_returning_a_carry_of_size_one_dims_laid_out_otherwise() -> None:
+    # found by the compiled fuzzer's long profile: the loop's carry has strides (1, n) at
+    # shape (n, 1), its body was traced on (1, 1), and torch's cond (the switch's rewrite)
+    # refused branch outputs whose stride orders differ, in the forward (hop's loop re-run
+    # by Inductor's fake-tensor update) and in the backward (the scan rewritten as a loop)
+    check(
+        _switch_in_a_loop_over_a_scanned_carry,
+        torch.randn(2, 1),
+        torch.randn(2, 1),
+        transforms=("eager", "compile_inductor"),
+    )
