@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as py_pytree
 
-from hop._pytree import flatten, leaf_paths
+from hop._pytree import flatten, leaf_paths, structure_str
 from hop.errors import OutputMismatchError, format_message
 
 __all__ = ["LeafMeta", "check_same_outputs", "describe", "describe_fn", "leaf_meta"]
@@ -106,7 +105,7 @@ def check_same_outputs(
             raise OutputMismatchError(
                 format_message(
                     op,
-                    f"{pair} return different structures: {_spec_str(outputs[0])} vs {_spec_str(out)}{where}",
+                    f"{pair} return different structures: {structure_str(outputs[0])} vs {structure_str(out)}{where}",
                     fix=f"Make {pair} return the same pytree structure.",
                 ),
                 op=op,
@@ -136,7 +135,3 @@ def check_same_outputs(
                     role=role,
                     path=path,
                 )
-
-
-def _spec_str(tree: Any) -> str:
-    return str(py_pytree.tree_map(lambda leaf: "*", tree)).replace("'*'", "*")

@@ -4,7 +4,7 @@
 ``None`` a leaf; :func:`flatten_dropping_none` drops ``None`` (a scan body's
 ``return carry, None`` has no y) and unflattens with the same :func:`unflatten`.
 :func:`leaf_paths` and :func:`leaf_paths_dropping_none` name each leaf as
-``output[1]["h"]`` for messages. Kept apart as the bottom of the stack: every
+``output[1]["h"]`` for messages, :func:`structure_str` a whole structure. Kept apart as the bottom of the stack: every
 other module flattens, and none of this needs torch's tracing machinery.
 """
 
@@ -24,6 +24,7 @@ __all__ = [
     "flatten_dropping_none",
     "leaf_paths",
     "leaf_paths_dropping_none",
+    "structure_str",
 ]
 
 
@@ -80,3 +81,13 @@ def leaf_paths(tree: Any, root: str = "output") -> list[str]:
     """``root[1]["h"]``-style names for the leaves of ``tree``, in flatten order."""
     pairs, _ = py_pytree.tree_flatten_with_path(tree)
     return [root + "".join(_key_str(k) for k in path) for path, _ in pairs]
+
+
+def structure_str(tree: Any, *, dropping_none: bool = False) -> str:
+    """``tree``'s structure with each leaf shown as ``*``, for messages (``(*, [*, *])``);
+    with ``dropping_none``, a ``None`` shows as itself, an empty subtree."""
+    if dropping_none:
+        shown = optree.tree_map(lambda _: "*", tree, none_is_leaf=False, namespace="torch")
+    else:
+        shown = py_pytree.tree_map(lambda _: "*", tree)
+    return str(shown).replace("'*'", "*")

@@ -16,11 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import optree
 import torch
 
 from hop import _output_checks, _validation
-from hop._pytree import flatten_dropping_none, leaf_paths_dropping_none
+from hop._pytree import flatten_dropping_none, leaf_paths_dropping_none, structure_str
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops import _common
 
@@ -169,7 +168,7 @@ def check_like(name: str, role: str, fn: Fn, ref: Any, out: Any, root: str, pair
         raise OutputMismatchError(
             format_message(
                 name,
-                f"{pair} differ: structure {_spec_str(ref_spec)} vs {_spec_str(spec)} {where}",
+                f"{pair} differ: structure {_shown(ref)} vs {_shown(out)} {where}",
                 role=role,
                 path=root,
                 fix=fix,
@@ -200,8 +199,8 @@ def _first_difference(paths: Sequence[str], refs: Sequence[Any], leaves: Sequenc
     return None
 
 
-def _spec_str(spec: Any) -> str:
-    return str(optree.tree_unflatten(spec, ["*"] * spec.num_leaves)).replace("'*'", "*")
+def _shown(tree: Any) -> str:
+    return structure_str(tree, dropping_none=True)
 
 
 def leaf_difference(a: Any, b: Any) -> str | None:
@@ -242,7 +241,7 @@ def ys_error(looping: Names, fn: Fn, ys: Sequence[Any], dim: int, root: str) -> 
         if other != spec:
             return _ys_fail(
                 looping,
-                f"iterations 0 and {i} return different structures: {_spec_str(spec)} vs {_spec_str(other)} {where}",
+                f"iterations 0 and {i} return different structures: {_shown(ys[0])} vs {_shown(y)} {where}",
                 root,
                 "Return the same structure in every iteration.",
             )
