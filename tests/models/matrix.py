@@ -53,9 +53,16 @@ def _compile(model: Callable[..., Any], backend: str, dynamic: bool | None) -> C
 
 
 def check_compile(model: Callable[..., Any], cases: Sequence[Case], backend: str, dynamic: bool = True) -> None:
+    """Forward values of the compiled inference graph (as served, under ``no_grad``).
+
+    Under grad mode a parameter would make AOTAutograd build and compile a backward
+    that this check never runs; the compiled training path is checked, values and
+    gradients, by ``check_compile_grad`` and ``check_compile_training``.
+    """
     compiled = _compile(model, backend, dynamic)
-    for k, case in enumerate(cases):
-        assert_same(compiled(*case), model(*case), f"torch.compile({backend}) case {k}")
+    with torch.no_grad():
+        for k, case in enumerate(cases):
+            assert_same(compiled(*case), model(*case), f"torch.compile({backend}) case {k}")
 
 
 def check_compile_grad(model: Callable[..., Any], cases: Sequence[Case], backend: str) -> None:
