@@ -5,8 +5,8 @@ the outputs that alias its inputs; :func:`clone_aliases`, :func:`may_alias` and
 :func:`hidden_alias` find and remove aliases of operands among real or fake
 outputs; :func:`functionalize_body` functionalizes a callable for a functionalize
 rule, keeping torch's effect tokens out of it (Note [effect tokens stay outside
-bodies]). Separate from tracing: it reads graphs and tensors' storage after the
-fact.
+bodies]), and :func:`functionalize_rule` is every operator's functionalize rule.
+Separate from tracing: it reads graphs and tensors' storage after the fact.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as py_pytree
 
+from hop import _spec
 from hop._output_checks import describe_fn
 from hop._tracing import keeping_node_meta
 from hop.errors import CompileUnsupported, format_message
@@ -31,6 +32,7 @@ __all__ = [
     "effect_name",
     "find_mutations_and_aliases",
     "functionalize_body",
+    "functionalize_rule",
     "hidden_alias",
     "may_alias",
     "same_memory",
@@ -301,3 +303,24 @@ def functionalize_body(ctx: Any, fn: Callable[..., Any], op: str, role: str) -> 
         body.__wrapped__ = fn  # type: ignore[attr-defined]
     functionalized: Callable[..., Any] = ctx.functionalize(body)
     return functionalized
+
+
+def functionalize_rule(
+    op: Callable[..., Any], spec: _spec.OpSpec, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The functionalize rule of every operator, read from its spec: the callables at
+    the layout's subgraph positions functionalized (:func:`functionalize_body`, each
+    named by its role), the tensors of every other argument unwrapped (sequences
+    become the tuples raw ops take), and ``op(*args, **kwargs)`` called one level down."""
+    assert spec.layout is not None, f"{spec.name} has no node of its own"
+    positions = spec.layout.subgraph_positions(args)
+    roles = dict(zip(positions, spec.role_names(len(positions)), strict=True))
+    unwrapped = [a if k in roles else _tuple_if_list(ctx.unwrap_tensors(a)) for k, a in enumerate(args)]
+    with ctx.redispatch_to_next():
+        call = [functionalize_body(ctx, a, spec.name, roles[k]) if k in roles else a for k, a in enumerate(unwrapped)]
+        out = op(*call, **kwargs)
+    return ctx.wrap_tensors(out)
+
+
+def _tuple_if_list(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value

@@ -1,9 +1,9 @@
 """The rules cond and switch share, each registered on both raw ops.
 
-dense, autograd, grad / jvp, vmap, functionalize, fake and proxy, in hop's fixed
-order, written once against a :class:`~hop.ops._branching.Branching`; a concrete
-selector runs the chosen branch inline (Note [eager branches run inline] in
-``_branching``).
+dense, autograd, grad / jvp, vmap, fake and proxy, in hop's fixed order
+(functionalize is every operator's one rule, ``hop._effects.functionalize_rule``),
+written once against a :class:`~hop.ops._branching.Branching`; a concrete selector
+runs the chosen branch inline (Note [eager branches run inline] in ``_branching``).
 """
 
 from __future__ import annotations
@@ -260,19 +260,6 @@ def _batched_mismatch(b: Branching, roles: Sequence[str], i: int, col: Sequence[
         op=b.name,
         path=f"output[{i}]",
     )
-
-
-def functionalize(b: Branching, ctx: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
-    """Functionalize each branch and call the op on the unwrapped operands."""
-    sel_u = ctx.unwrap_tensors(sel) if isinstance(sel, torch.Tensor) else sel
-    unwrapped = ctx.unwrap_tensors(list(operands))
-    with ctx.redispatch_to_next():
-        bodies = [
-            _effects.functionalize_body(ctx, fn, b.name, role)
-            for fn, role in zip(branches, b.roles(len(branches)), strict=True)
-        ]
-        out = b.call(sel_u, bodies, unwrapped)
-    return ctx.wrap_tensors(out)
 
 
 def fake(b: Branching, mode: FakeTensorMode, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:

@@ -1,4 +1,5 @@
-"""What scan and map share: the body convention, the looping's record and every rule.
+"""What scan and map share: the body convention, the looping's record and its rules
+(functionalize: ``hop._effects.functionalize_rule``, every operator's).
 
 The raw ops take flat leaves::
 
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch._C._functorch import _add_batch_dim
 
-from hop import _closures, _effects, _lifting, _tracing, _transforms
+from hop import _closures, _lifting, _tracing, _transforms
 from hop._operator import HigherOrderOperator
 from hop._unbacked import assert_ranges, per_step_sizes, rebind_sizes, recording, run_in_subgraph
 from hop.errors import (
@@ -235,24 +236,6 @@ def vmap(
         out = as_tuple(looping.call(batched, init_b, xs_b, add_u, reverse))
     nc = len(init)
     return raw_output([_add_batch_dim(o, 0 if k < nc else 1, level) for k, o in enumerate(out)])
-
-
-def functionalize(
-    looping: Looping,
-    ctx: Any,
-    body: Fn,
-    init: Sequence[Any],
-    xs: Sequence[Any],
-    additional: Sequence[Any],
-    reverse: bool,
-) -> Any:
-    """Functionalize the body and call the op on the unwrapped operands."""
-    init_u, xs_u, add_u = (ctx.unwrap_tensors(list(v)) for v in (init, xs, additional))
-    with ctx.redispatch_to_next():
-        out = looping.call(
-            _effects.functionalize_body(ctx, body, looping.name, looping.role), init_u, xs_u, add_u, reverse
-        )
-    return ctx.wrap_tensors(out)
 
 
 def fake(

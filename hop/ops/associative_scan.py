@@ -280,11 +280,8 @@ def associative_scan_vmap(
 def associative_scan_functionalize(
     ctx: Any, combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
 ) -> Any:
-    xs_u, add_u = ctx.unwrap_tensors(list(xs)), ctx.unwrap_tensors(list(additional_inputs))
-    with ctx.redispatch_to_next():
-        combine = _effects.functionalize_body(ctx, combine_fn, _NAME, "combine_fn")
-        out = associative_scan_op(combine, tuple(xs_u), tuple(add_u), combine_mode)
-    return ctx.wrap_tensors(out)
+    args = (combine_fn, xs, additional_inputs, combine_mode)
+    return _effects.functionalize_rule(associative_scan_op, SPEC, ctx, args, {})
 
 
 @associative_scan_op.py_impl(FakeTensorMode)

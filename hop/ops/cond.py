@@ -21,7 +21,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference, _spec
+from hop import _effects, _observe, _observe_calls, _reference, _spec
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._transforms import in_plain_eager, is_dynamo_compiling
@@ -234,7 +234,7 @@ def cond_vmap(interpreter: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: 
 
 @cond_op.py_functionalize_impl
 def cond_functionalize(ctx: Any, pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any]) -> Any:
-    return rules.functionalize(COND, ctx, pred, (true_fn, false_fn), operands)
+    return _effects.functionalize_rule(cond_op, SPEC, ctx, (pred, true_fn, false_fn, operands), {})
 
 
 @cond_op.py_impl(FakeTensorMode)

@@ -21,7 +21,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _pytree, _reference, _spec
+from hop import _effects, _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop.ops import _loop_checks, _loop_values, _looping
 from hop.ops._branching import as_tuple
@@ -170,7 +170,7 @@ def map_vmap(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: S
 
 @map_op.py_functionalize_impl
 def map_functionalize(ctx: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return _looping.functionalize(MAP, ctx, body, (), xs, additional_inputs, False)
+    return _effects.functionalize_rule(map_op, SPEC, ctx, (body, xs, additional_inputs), {})
 
 
 @map_op.py_impl(FakeTensorMode)

@@ -22,7 +22,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _pytree, _reference, _spec
+from hop import _effects, _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop.errors import HopTypeError, format_message, type_name
 from hop.ops import _loop_checks, _loop_values, _looping
@@ -248,7 +248,7 @@ def scan_vmap(
 def scan_functionalize(
     ctx: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return _looping.functionalize(SCAN, ctx, body, init, xs, additional_inputs, reverse)
+    return _effects.functionalize_rule(scan_op, SPEC, ctx, (body, init, xs, additional_inputs, reverse), {})
 
 
 @scan_op.py_impl(FakeTensorMode)

@@ -21,7 +21,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _observe_calls, _reference, _spec
+from hop import _effects, _observe, _observe_calls, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop._transforms import in_plain_eager, is_dynamo_compiling, is_plain_tensor, mode_stack_len
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
@@ -282,7 +282,7 @@ def switch_vmap(interpreter: Any, index: Any, operands: Sequence[Any], *branches
 
 @switch_op.py_functionalize_impl
 def switch_functionalize(ctx: Any, index: Any, operands: Sequence[Any], *branches: Fn) -> Any:
-    return rules.functionalize(SWITCH, ctx, index, branches, operands)
+    return _effects.functionalize_rule(switch_op, SPEC, ctx, (index, operands, *branches), {})
 
 
 @switch_op.py_impl(FakeTensorMode)

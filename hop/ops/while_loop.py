@@ -34,7 +34,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _observe, _reference, _spec, _transforms
+from hop import _effects, _observe, _reference, _spec, _transforms
 from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
@@ -264,12 +264,8 @@ def while_loop_functionalize(
     *,
     checkpoint: bool = False,
 ) -> Any:
-    carried, extra = ctx.unwrap_tensors(list(carried_inputs)), ctx.unwrap_tensors(list(additional_inputs))
-    with ctx.redispatch_to_next():
-        cond = _subgraph.functionalize_body(ctx, cond_fn, _NAME, "cond_fn")
-        body = _subgraph.functionalize_body(ctx, body_fn, _NAME, "body_fn")
-        out = while_loop_op(cond, body, tuple(carried), tuple(extra), **_while_node.flag(checkpoint))
-    return ctx.wrap_tensors(out)
+    args = (cond_fn, body_fn, carried_inputs, additional_inputs)
+    return _effects.functionalize_rule(while_loop_op, SPEC, ctx, args, _while_node.flag(checkpoint))
 
 
 @while_loop_op.py_impl(FakeTensorMode)
