@@ -48,6 +48,8 @@ __all__ = [
     "assume_range",
     "dense_order",
     "carry_ranges",
+    "changed_dims",
+    "generic_carry",
     "generalize_carries",
     "recording",
     "run_in_subgraph",
@@ -381,8 +383,6 @@ def _fixpoint(
     quantities stops growing. Returns the generic carries (placeholders for what
     changes), the body's output on them, and what changes per carry (dims of a
     tensor, ``{0}`` for an int)."""
-    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
-
     varying: list[set[int]] = [set() for _ in carried]
     # a literal's value is the first step's only; a layout the body was not traced on, not even that
     carried = tuple(_plain_layout(_tracing.unknown_value(c)) for c in carried)
@@ -396,7 +396,7 @@ def _fixpoint(
         _output_checks.check_same_outputs(op, roles, (current, out), root="carry", fns=(None, body_fn))
         grew = False
         for k, (c, o) in enumerate(zip(current, out, strict=True)):
-            new = _changes(c, o) - varying[k]
+            new = changed_dims(c, o) - varying[k]
             if new:
                 varying[k] |= new
                 grew = True
@@ -415,10 +415,7 @@ def _fixpoint(
                 path=f"carry[{k}]",
             )
         with shape_env.ignore_fresh_unbacked_symbols():
-            current = tuple(
-                _generalize(c, v, lambda c, d: _placeholder(shape_env, c, _constrain_range_for_size))
-                for c, v in zip(carried, varying, strict=True)
-            )
+            current = tuple(generic_carry(shape_env, c, v) for c, v in zip(carried, varying, strict=True))
     return current, out, varying
 
 
@@ -426,7 +423,9 @@ def as_tuple(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _changes(c: Any, o: Any) -> set[int]:
+def changed_dims(c: Any, o: Any) -> set[int]:
+    """What a step changes of carry ``c``, given the step's output ``o``: the dims of a
+    tensor whose sizes differ, ``{0}`` for an int whose value does."""
     if isinstance(c, torch.Tensor):
         return {d for d in range(c.dim()) if not _same([c.shape[d], o.shape[d]])}
     return set() if _same([c, o]) else {0}
@@ -436,11 +435,18 @@ def _quantity(c: Any, d: int) -> Any:
     return c.shape[d] if isinstance(c, torch.Tensor) else c
 
 
-def _placeholder(shape_env: ShapeEnv, c: Any, constrain: Callable[[Any], None]) -> Any:
-    sym = shape_env.create_unbacked_symint()
-    if isinstance(c, torch.Tensor):
-        constrain(sym)
-    return sym
+def generic_carry(shape_env: ShapeEnv, c: Any, varying: set[int]) -> Any:
+    """``c`` with a fresh unbacked symbol for each quantity in ``varying`` (dims of a
+    tensor, ``{0}`` for an int): a size for a tensor, any value for an int."""
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    def placeholder(c: Any, d: int) -> Any:
+        sym = shape_env.create_unbacked_symint()
+        if isinstance(c, torch.Tensor):
+            _constrain_range_for_size(sym)
+        return sym
+
+    return _generalize(c, varying, placeholder)
 
 
 def _plain_layout(c: Any) -> Any:

@@ -20,7 +20,7 @@ from torch._dynamo.variables.builder import SourcelessBuilder
 from torch._dynamo.variables.lists import BaseListVariable
 
 from hop import _output_checks
-from hop._unbacked import _changes, _generalize, _placeholder, trial_run
+from hop._unbacked import changed_dims, generic_carry, trial_run
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._dynamo_capture import (
     HopVariable,
@@ -72,13 +72,8 @@ Check = Callable[[Any, Any], None]
 
 def _generic_carries(tx: Any, leaves: Sequence[Any], varying: list[set[int]]) -> list[VT]:
     shape_env = tx.output.shape_env
-    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
-
     with tx.fake_mode, shape_env.ignore_fresh_unbacked_symbols():
-        generic = [
-            _generalize(c, v, lambda c, d: _placeholder(shape_env, c, _constrain_range_for_size))
-            for c, v in zip(leaves, varying, strict=True)
-        ]
+        generic = [generic_carry(shape_env, c, v) for c, v in zip(leaves, varying, strict=True)]
     return fresh(tx, generic)
 
 
@@ -174,7 +169,7 @@ class WhileLoopVariable(HopVariable):
             body, on_tensors = self.trace_body(tx, body_fn, generic, spec, additional, on_tensors)
             outs = [example(o) for o in body.outputs]
             check(pytree.tree_unflatten(values, py_spec), pytree.tree_unflatten(outs, body.out_spec()))
-            grew = [_changes(example(g), o) - v for g, o, v in zip(generic, outs, varying, strict=True)]
+            grew = [changed_dims(example(g), o) - v for g, o, v in zip(generic, outs, varying, strict=True)]
             if not any(grew):
                 break
             varying = [v | g for v, g in zip(varying, grew, strict=True)]
