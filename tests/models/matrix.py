@@ -56,7 +56,7 @@ def check_compile(model: Callable[..., Any], cases: Sequence[Case], backend: str
     """Forward values of the compiled inference graph (as served, under ``no_grad``).
 
     Under grad mode a parameter would make AOTAutograd build and compile a backward
-    that this check never runs; the compiled training path is checked, values and
+    that this check never runs; the compiled training graph is checked, outputs and
     gradients, by ``check_compile_grad`` and ``check_compile_training``.
     """
     compiled = _compile(model, backend, dynamic)
@@ -66,18 +66,23 @@ def check_compile(model: Callable[..., Any], cases: Sequence[Case], backend: str
 
 
 def check_compile_grad(model: Callable[..., Any], cases: Sequence[Case], backend: str) -> None:
-    """Gradients of ``model(*case)``'s outputs summed, w.r.t. its floating inputs and parameters."""
+    """The compiled training graph: ``model(*case)``'s outputs, and the gradients of
+    their sum w.r.t. its floating inputs and parameters."""
     compiled = _compile(model, backend, None)
 
-    def grads(fn: Callable[..., Any], case: Case) -> list[torch.Tensor]:
+    def run(fn: Callable[..., Any], case: Case) -> tuple[Any, list[torch.Tensor]]:
         case = tuple(c.detach().requires_grad_() if _differentiable(c) else c for c in case)
         params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
         wrt = [c for c in case if isinstance(c, torch.Tensor) and c.requires_grad] + params
-        total = sum(o.sum() for o in pytree.tree_leaves(fn(*case)) if _differentiable(o))
-        return list(torch.autograd.grad(total, wrt, allow_unused=True, materialize_grads=True))
+        out = fn(*case)
+        total = sum(o.sum() for o in pytree.tree_leaves(out) if _differentiable(o))
+        grads = list(torch.autograd.grad(total, wrt, allow_unused=True, materialize_grads=True))
+        return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), grads
 
     for k, case in enumerate(cases):
-        assert_same(grads(compiled, case), grads(model, case), f"grad of torch.compile({backend}) case {k}")
+        got, want = run(compiled, case), run(model, case)
+        assert_same(got[0], want[0], f"torch.compile({backend}) training case {k}")
+        assert_same(got[1], want[1], f"grad of torch.compile({backend}) case {k}")
 
 
 def _differentiable(t: Any) -> bool:
