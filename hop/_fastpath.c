@@ -29,17 +29,17 @@ Threads: reading the selector may release the GIL, and another thread may then
 empty the cache; so the selector is read first, and an entry is held by a strong
 reference from the moment it is found.
 
-cond() and switch() return the result, MISS (nothing ran: Python takes over), or
+cond() and switch() return the result, NOT_TAKEN (nothing ran: Python takes over), or
 (out, k, entry): branch k ran and returned out, which Python must finish (a new
 output kind, zero gradients to attach, an alias to clone). Nothing here raises
 but what the branch or reading the selector raises; a selector that cannot be
-read as Python reads it (meta, several elements) is a MISS, and Python explains it.
+read as Python reads it (meta, several elements) is a NOT_TAKEN, and Python explains it.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 static PyObject *Tensor;         /* torch.Tensor */
-static PyObject *MISS;           /* hop.ops._inline.MISS */
+static PyObject *NOT_TAKEN;           /* hop.ops._inline.NOT_TAKEN */
 static PyObject *config;         /* the hop.config module's __dict__ */
 static PyObject *reference;      /* the hop._reference module's __dict__ (ACTIVE: threads in reference()) */
 static PyObject *sinks;          /* hop.debug.SINKS (a list) */
@@ -210,7 +210,7 @@ fold_kind(PyObject *x, unsigned long long *h, PyObject **dtype_out, long *ndim_o
 }
 
 /* The entry for these branches and this operand, a new reference; NULL with no
-   error set on a miss, NULL with an error set on failure. Its key (key() gives it to
+   error set when it does not take the call, NULL with an error set on failure. Its key (key() gives it to
    Python) folds the addresses of the branches' items and the operand's kind. */
 static PyObject *
 find(PyObject *cache, PyObject *const *fns, Py_ssize_t n, PyObject *x)
@@ -445,9 +445,9 @@ unreadable(int value_error_too)
 }
 
 static PyObject *
-miss(void)
+not_taken(void)
 {
-    return Py_NewRef(MISS);
+    return Py_NewRef(NOT_TAKEN);
 }
 
 /* The one operand of a call the cache may serve (the selector and the operand plain
@@ -474,13 +474,13 @@ fast_cond(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *x = nargs == 4 ? served_operand(args[0], args[3]) : NULL;
     if (x == NULL)
-        return PyErr_Occurred() ? NULL : miss();
+        return PyErr_Occurred() ? NULL : not_taken();
     int truth = PyObject_IsTrue(args[0]); /* may release the GIL: before find() */
     if (truth < 0)
-        return unreadable(0) ? miss() : NULL;
+        return unreadable(0) ? not_taken() : NULL;
     PyObject *e = find(cond_cache, args + 1, 2, x);
     if (e == NULL)
-        return PyErr_Occurred() ? NULL : miss();
+        return PyErr_Occurred() ? NULL : not_taken();
     return run(e, NULL, args + 1, 2, truth ? 0 : 1, x);
 }
 
@@ -489,12 +489,12 @@ static PyObject *
 fast_switch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3 || !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1])))
-        return miss();
+        return not_taken();
     PyObject *index = args[0], *branches = args[1];
     Py_ssize_t n = PySequence_Fast_GET_SIZE(branches);
     PyObject *x = n > 0 ? served_operand(index, args[2]) : NULL;
     if (x == NULL)
-        return PyErr_Occurred() ? NULL : miss();
+        return PyErr_Occurred() ? NULL : not_taken();
     int ok;
     PyObject *dtype = PyObject_GetAttr(index, s_dtype);
     if (dtype == NULL)
@@ -502,10 +502,10 @@ fast_switch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     ok = PySet_Contains(index_dtypes, dtype);
     Py_DECREF(dtype);
     if (ok <= 0)
-        return ok < 0 ? NULL : miss();
+        return ok < 0 ? NULL : not_taken();
     PyObject *number = PyNumber_Long(index); /* may release the GIL: before the list is read */
     if (number == NULL)
-        return unreadable(1) ? miss() : NULL;
+        return unreadable(1) ? not_taken() : NULL;
     int overflow = 0;
     long k = PyLong_AsLongAndOverflow(number, &overflow);
     Py_DECREF(number);
@@ -513,18 +513,18 @@ fast_switch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     n = PySequence_Fast_GET_SIZE(branches); /* another thread may have changed the list */
     if (overflow || k < 0 || k >= n)
-        return miss(); /* out of range: Python raises */
+        return not_taken(); /* out of range: Python raises */
     PyObject *const *fns = PySequence_Fast_ITEMS(branches); /* valid until Python code runs */
     PyObject *e = find(switch_cache, fns, n, x);
     if (e == NULL)
-        return PyErr_Occurred() ? NULL : miss();
+        return PyErr_Occurred() ? NULL : not_taken();
     return run(e, branches, fns, n, (Py_ssize_t)k, x);
 }
 
 static PyObject *
 configure(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"entry_fields", "tensor",         "miss",            "config",  "reference",
+    static char *names[] = {"entry_fields", "tensor",         "not_taken",            "config",  "reference",
                             "sinks",        "index_dtypes",   "inert_types",     "cond_cache",
                             "switch_cache", "mode_stack_len", "functorch_level", "tf_mode", "grad_enabled",
                             "accumulate_grad", NULL};
@@ -547,7 +547,7 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
                      fields);
         return NULL;
     }
-    PyObject **slots[] = {&Tensor,         &MISS,         &config,   &reference,    &sinks,
+    PyObject **slots[] = {&Tensor,         &NOT_TAKEN,         &config,   &reference,    &sinks,
                           &index_dtypes,   &inert_types,  &cond_cache, &switch_cache, &mode_stack_len,
                           &functorch_level, &tf_mode,     &grad_enabled, &accumulate_grad};
     for (int j = 0; j < 14; j++)
@@ -561,9 +561,9 @@ static PyMethodDef methods[] = {
     {"key", (PyCFunction)(void (*)(void))fast_key, METH_FASTCALL,
      "key(branches, x): the key of the entry for these branches and this operand (None: never cached)."},
     {"cond", (PyCFunction)(void (*)(void))fast_cond, METH_FASTCALL,
-     "cond(pred, true_fn, false_fn, operands): the result, MISS, or (out, k, entry) for Python to finish."},
+     "cond(pred, true_fn, false_fn, operands): the result, NOT_TAKEN, or (out, k, entry) for Python to finish."},
     {"switch", (PyCFunction)(void (*)(void))fast_switch, METH_FASTCALL,
-     "switch(index, branches, operands): the result, MISS, or (out, k, entry) for Python to finish."},
+     "switch(index, branches, operands): the result, NOT_TAKEN, or (out, k, entry) for Python to finish."},
     {"nothing_active", (PyCFunction)fast_nothing_active, METH_NOARGS,
      "nothing_active(): whether the module may serve a call now (hop._transforms.nothing_active)."},
     {NULL, NULL, 0, NULL},

@@ -7,7 +7,7 @@ def configure(
     *,
     entry_fields: tuple[str, ...],
     tensor: type,
-    miss: object,
+    not_taken: object,
     config: dict[str, Any],
     reference: dict[str, Any],
     sinks: list[Any],

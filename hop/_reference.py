@@ -92,14 +92,14 @@ def reference_fori_loop(lower: Any, upper: Any, body_fn: Fn, init_val: Any) -> A
     ``i`` is an int for int bounds; with a tensor bound it is a tensor like the
     lower bound (or a 0-dim tensor of the upper bound's dtype).
     """
-    like = None
+    bound = None
     if isinstance(lower, torch.Tensor):
-        like = lower
+        bound = lower
     elif isinstance(upper, torch.Tensor):
-        like = torch.tensor(lower, dtype=upper.dtype, device=upper.device)
+        bound = torch.tensor(lower, dtype=upper.dtype, device=upper.device)
     val = init_val
     for i in range(int(lower), int(upper)):
-        val = body_fn(i if like is None else torch.full_like(like, i), val)
+        val = body_fn(i if bound is None else torch.full_like(bound, i), val)
     return val
 
 

@@ -82,10 +82,10 @@ def without_none(leaves: Sequence[VT]) -> list[VT]:
     return [leaf for leaf in leaves if not is_none(leaf)]
 
 
-def with_none(kept: Sequence[VT], like: Sequence[VT]) -> list[VT]:
-    """``kept`` with a ``None`` put back wherever ``like`` has one (undoes :func:`without_none`)."""
+def with_none(kept: Sequence[VT], pattern: Sequence[VT]) -> list[VT]:
+    """``kept`` with a ``None`` put back wherever ``pattern`` has one (undoes :func:`without_none`)."""
     rest = iter(kept)
-    out = [constant(None) if is_none(leaf) else next(rest) for leaf in like]
+    out = [constant(None) if is_none(leaf) else next(rest) for leaf in pattern]
     if next(rest, None) is not None:
         raise AssertionError("more values than non-None leaves")
     return out

@@ -405,10 +405,10 @@ def _traced_contiguous(body: Fn) -> set[int]:
     return {j for j, v in enumerate(traced) if isinstance(v, torch.Tensor) and _is_dense(v)}
 
 
-def _buffer(name: str, like: torch.Tensor, inputs: Sequence[Any]) -> torch.Tensor:
-    """An empty tensor with the (maybe symbolic) sizes and strides of ``like``."""
-    sizes, strides = _sizes(name, like.shape, inputs), _sizes(name, like.stride(), inputs)
-    return torch.empty_strided(sizes, strides, dtype=like.dtype, device=like.device)
+def _buffer(name: str, template: torch.Tensor, inputs: Sequence[Any]) -> torch.Tensor:
+    """An empty tensor with the (maybe symbolic) sizes and strides of ``template``."""
+    sizes, strides = _sizes(name, template.shape, inputs), _sizes(name, template.stride(), inputs)
+    return torch.empty_strided(sizes, strides, dtype=template.dtype, device=template.device)
 
 
 def _dense(t: Any) -> Any:

@@ -95,10 +95,10 @@ def _attr(name: str, value: Any) -> ir.Attr:
     return ir.AttrTensor(name, value)
 
 
-def _fresh(like: Sequence[ir.Value], role: str) -> list[ir.Value]:
-    """New inputs of a loop's body, typed as ``like`` (a traced subgraph's inputs: a
+def _fresh(template: Sequence[ir.Value], role: str) -> list[ir.Value]:
+    """New inputs of a loop's body, typed as ``template`` (a traced subgraph's inputs: a
     carry that grows has a symbolic size there)."""
-    return [ir.Value(name=_name(role), shape=v.shape, type=v.type) for v in like]
+    return [ir.Value(name=_name(role), shape=v.shape, type=v.type) for v in template]
 
 
 def _scalar(role: str, dtype: ir.DataType) -> ir.Value:

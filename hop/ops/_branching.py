@@ -86,16 +86,16 @@ def no_alias(out: Any, operands: Sequence[Any]) -> Any:
 class _Outputs:
     """What the branches of one call returned so far, to check them against each other."""
 
-    def __init__(self, b: Branching, branches: Sequence[Fn]) -> None:
-        self.b = b
+    def __init__(self, branching: Branching, branches: Sequence[Fn]) -> None:
+        self.branching = branching
         self.fns = branches
-        self.roles = b.roles(len(branches))
+        self.roles = branching.roles(len(branches))
         self.first: tuple[int, Any] | None = None
         self.spec: _pytree.TreeSpec | None = None
         self.kind: Any = None  # Note [outputs are checked on every call] in hop._validation
 
     def record(self, k: int, out: Any, spec: _pytree.TreeSpec) -> None:
-        _check_output_leaves(self.b, self.roles[k], self.fns[k], out)
+        _check_output_leaves(self.branching, self.roles[k], self.fns[k], out)
         metas = _pytree.unflatten([_output_checks.leaf_meta(x) for x in _pytree.flatten(out)[0]], spec)
         if self.first is None:
             self.first, self.spec = (k, metas), spec
@@ -105,13 +105,13 @@ class _Outputs:
         (a, out_a), (c, out_c) = sorted(((j, ref), (k, metas)), key=lambda pair: pair[0])
         # in the branches' order, whichever ran first (eager runs the taken one first)
         _output_checks.check_same_outputs(
-            self.b.name, (self.roles[a], self.roles[c]), (out_a, out_c), fns=(self.fns[a], self.fns[c])
+            self.branching.name, (self.roles[a], self.roles[c]), (out_a, out_c), fns=(self.fns[a], self.fns[c])
         )
 
 
-def flat_branches(b: Branching, branches: Sequence[Fn], in_spec: Any) -> tuple[list[Fn], _Outputs]:
+def flat_branches(branching: Branching, branches: Sequence[Fn], in_spec: Any) -> tuple[list[Fn], _Outputs]:
     """Branches taking and returning flat leaves; they record and check their outputs."""
-    outputs = _Outputs(b, branches)
+    outputs = _Outputs(branching, branches)
 
     def make(k: int, fn: Fn) -> Fn:
         def flat(*leaves: Any) -> Any:
@@ -137,39 +137,41 @@ def flat_branches(b: Branching, branches: Sequence[Fn], in_spec: Any) -> tuple[l
 # --- the user-level call --------------------------------------------------------------------
 
 
-def call(b: Branching, sel: Any, branches: Sequence[Fn], operands: Any, taken: int | None = None) -> Any:
+def call(branching: Branching, sel: Any, branches: Sequence[Fn], operands: Any, taken: int | None = None) -> Any:
     """``branches[index(sel)](*operands)`` through the raw op, after checking the arguments;
     ``taken``: the index the caller already read from ``sel`` in plain eager."""
-    roles = b.roles(len(branches))
+    roles = branching.roles(len(branches))
     for role, fn in zip(roles, branches, strict=True):
         if not callable(fn):
             raise HopTypeError(
-                format_message(b.name, f"{role} must be callable, got {type_name(fn)}"), op=b.name, role=role
+                format_message(branching.name, f"{role} must be callable, got {type_name(fn)}"),
+                op=branching.name,
+                role=role,
             )
-    check_operands(b.name, operands)
+    check_operands(branching.name, operands)
     leaves, in_spec = _pytree.flatten(tuple(operands))
     if _transforms.is_concrete(sel) and _transforms.in_plain_eager() and all(map(_transforms.is_plain_leaf, leaves)):
-        k = b.index(sel, len(branches)) if taken is None else taken
+        k = branching.index(sel, len(branches)) if taken is None else taken
         if _SINKS:
-            _observe.note(b.name, inline=True)
-        key = _validate(b, branches, operands, leaves, in_spec, k)
+            _observe.note(branching.name, inline=True)
+        key = _validate(branching, branches, operands, leaves, in_spec, k)
         out = branches[k](*operands)
         if key is not None and not validation.known_kind(key, out):
-            check_new_kind(b, key, branches, operands, k, out)
+            check_new_kind(branching, key, branches, operands, k, out)
         out = no_alias_tree(out, leaves)
         return zero_untaken(out, branches, leaves) if _grad_enabled() else out
-    key = _validate_under_transform(b, sel, branches, operands, leaves, in_spec)
-    flat, outputs = flat_branches(b, branches, in_spec)
-    out = as_tuple(b.call(sel, flat, leaves))
+    key = _validate_under_transform(branching, sel, branches, operands, leaves, in_spec)
+    flat, outputs = flat_branches(branching, branches, in_spec)
+    out = as_tuple(branching.call(sel, flat, leaves))
     assert outputs.spec is not None  # a branch ran (traced or fake)
     result = _pytree.unflatten(list(out[: outputs.spec.num_leaves]), outputs.spec)
     if key is not None and not validation.known_kind(key, result):
-        check_new_kind(b, key, branches, operands, b.index(sel, len(branches)), result)
+        check_new_kind(branching, key, branches, operands, branching.index(sel, len(branches)), result)
     return result
 
 
 def _validate_under_transform(
-    b: Branching, sel: Any, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any
+    branching: Branching, sel: Any, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any
 ) -> Any:
     """Note [validation under torch.func]: a concrete selector under functorch
     transforms (nothing tracing) is validated as in plain eager; the verdict's key,
@@ -178,10 +180,10 @@ def _validate_under_transform(
         return None
     if not all(map(_transforms.is_real, leaves)):
         return None
-    key = validation.signature(b.name, branches, operands, leaves, spec)
+    key = validation.signature(branching.name, branches, operands, leaves, spec)
     if validation.is_known(key):  # before reading sel: a read under a transform is slow
         return None if config.validate == "never" else key
-    return _validate(b, branches, operands, leaves, spec, b.index(sel, len(branches)))
+    return _validate(branching, branches, operands, leaves, spec, branching.index(sel, len(branches)))
 
 
 _SINKS = _observe.SINKS
@@ -219,7 +221,7 @@ def _output_leaf(x: Any) -> bool:
     return x is None or (isinstance(x, (torch.Tensor, int, torch.SymInt)) and not isinstance(x, bool))
 
 
-def _check_output_leaves(b: Branching, role: str, fn: Fn, out: Any) -> None:
+def _check_output_leaves(branching: Branching, role: str, fn: Fn, out: Any) -> None:
     """A branch returns tensors, ints and Nones: anything else (a str, a float, a bool)
     cannot be an output of a traced program (a number would be baked in as one branch's)."""
     leaves = _pytree.flatten(out)[0]
@@ -229,12 +231,12 @@ def _check_output_leaves(b: Branching, role: str, fn: Fn, out: Any) -> None:
         if not _output_leaf(leaf):
             raise HopTypeError(
                 format_message(
-                    b.name,
+                    branching.name,
                     f"{role} ({_output_checks.describe_fn(fn)}) returns {type_name(leaf)} {repr(leaf)[:40]} at {path}; "
                     "branches return tensors and ints",
                     fix="Return torch.tensor(value) for a number; close over other values instead of returning them.",
                 ),
-                op=b.name,
+                op=branching.name,
                 role=role,
                 path=path,
             )
@@ -251,14 +253,16 @@ def no_alias_tree(out: Any, operands: Sequence[Any]) -> Any:
 # --- validation once per signature ------------------------------------------------------------
 
 
-def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any, taken: int) -> Any:
+def _validate(
+    branching: Branching, branches: Sequence[Fn], operands: Any, leaves: list[Any], spec: Any, taken: int
+) -> Any:
     """Run every branch once on fake tensors to check they agree (see ``hop.config.validate``);
     the verdict's key, None when validation is off."""
-    key = validation.signature(b.name, branches, operands, leaves, spec)
+    key = validation.signature(branching.name, branches, operands, leaves, spec)
     if validation.is_known(key):
         return None if config.validate == "never" else key
-    flat, outputs = flat_branches(b, branches, spec)
-    roles = b.roles(len(branches))
+    flat, outputs = flat_branches(branching, branches, spec)
+    roles = branching.roles(len(branches))
     unchecked: dict[int, str] = {}
     aliasing = False
     if not validation.fakeable(leaves):
@@ -278,11 +282,11 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
                     return None  # the real call will raise the real error
                 raise HopRuntimeError(
                     format_message(
-                        b.name,
+                        branching.name,
                         f"{roles[k]} ({_output_checks.describe_fn(branches[k])}) fails on the operands "
                         f"(checked with fake tensors, as torch.export would run it): {type(e).__name__}: {e}",
                     ),
-                    op=b.name,
+                    op=branching.name,
                     role=roles[k],
                 ) from e
     validation.remember(key, outputs.kind, aliasing=aliasing)
@@ -290,47 +294,51 @@ def _validate(b: Branching, branches: Sequence[Fn], operands: Any, leaves: list[
     return key
 
 
-def check_new_kind(b: Branching, key: Any, branches: Sequence[Fn], operands: Sequence[Any], k: int, out: Any) -> None:
+def check_new_kind(
+    branching: Branching, key: Any, branches: Sequence[Fn], operands: Sequence[Any], k: int, out: Any
+) -> None:
     """The chosen branch returned a kind of output its verdict has not seen (Note
     [outputs are checked on every call]): validate again now; the output must be of
     the kind that finds, else it differs from what the branches were checked to return."""
     leaves, spec = _pytree.flatten(tuple(operands))
     before = validation._VERDICTS.get(key)
     validation.forget(key)
-    _validate(b, branches, operands, leaves, spec, k)
+    _validate(branching, branches, operands, leaves, spec, k)
     if validation.known_kind(key, out):
         validation._VERDICTS[key] |= before or set()
         return
-    role = b.roles(len(branches))[k]
+    role = branching.roles(len(branches))[k]
     expected = next(iter(validation._VERDICTS.get(key) or {None}))
     why = validation._UNCHECKED.get(key, {}).get(k)
     if why is not None:
-        raise _unchecked_mismatch(b, branches, k, out, expected, why)
+        raise _unchecked_mismatch(branching, branches, k, out, expected, why)
     raise OutputMismatchError(
         format_message(
-            b.name,
+            branching.name,
             f"{role} ({_output_checks.describe_fn(branches[k])}) returned {validation.describe_kind(out)}, but run on "
             f"fake tensors it returns {validation.describe_kind(expected, kind=True)}: its output depends on "
             "something that is neither its code, its closure nor its operands",
             fix=f"Make {role} return the same kind of value whatever it reads from outside (defaults, globals).",
         ),
-        op=b.name,
+        op=branching.name,
         role=role,
     )
 
 
-def _unchecked_mismatch(b: Branching, branches: Sequence[Fn], k: int, out: Any, expected: Any, why: str) -> Exception:
+def _unchecked_mismatch(
+    branching: Branching, branches: Sequence[Fn], k: int, out: Any, expected: Any, why: str
+) -> Exception:
     """The error for a branch no fake run could check whose real output differs from
     what the other branches were checked to return."""
-    role = b.roles(len(branches))[k]
+    role = branching.roles(len(branches))[k]
     return OutputMismatchError(
         format_message(
-            b.name,
+            branching.name,
             f"{role} ({_output_checks.describe_fn(branches[k])}) returned {validation.describe_kind(out)}, "
             f"but the other branches, checked on fake tensors, return {validation.describe_kind(expected, kind=True)} "
             f"({role} itself could not be checked ahead of time: {why})",
             fix="Make every branch return the same structure, dtypes, devices and ranks.",
         ),
-        op=b.name,
+        op=branching.name,
         role=role,
     )

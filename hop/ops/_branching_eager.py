@@ -7,7 +7,7 @@ closure-free branches) and leaves an inline-cache entry (Note [the eager inline
 cache] in ``_inline``), :func:`eager_fast` any flat tensor operands, and
 :func:`finish_ran` / :func:`finish_eager` finish what the cache or these ran
 (a new output kind, zero gradients, an alias of an operand). Each returns
-:data:`MISS` when the general path (``_branching.call``) must take the call.
+:data:`NOT_TAKEN` when the general path (``_branching.call``) must take the call.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hop.ops._zero_grads import reads_nothing, zero_untaken
 
 Fn = Callable[..., Any]
 
-MISS = _inline.MISS
+NOT_TAKEN = _inline.NOT_TAKEN
 _Tensor = torch.Tensor
 _Function = FunctionType
 _Builtin = BuiltinFunctionType
@@ -38,7 +38,7 @@ _ONCE = "once"
 def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
     """``branches[k](*operands)`` for a plain eager call (the caller checked: no mode,
     no transform, a real one-element selector giving ``k``) with flat tensor
-    operands whose signature is already validated; :data:`MISS` otherwise.
+    operands whose signature is already validated; :data:`NOT_TAKEN` otherwise.
 
     Note [eager branches run inline]; this is the general path minus the pytree
     work and the checks a validated signature has already passed. Every
@@ -47,12 +47,12 @@ def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, .
     validate = config.validate
     if validate != _ONCE:  # an equal string not interned is "once" too
         if validate != "never":
-            return MISS
+            return NOT_TAKEN
         return _run_unchecked(k, branches, operands)
     key = validation.flat_signature(name, branches, operands)
     kinds = validation._VERDICTS.get(key)
     if kinds is None:
-        return MISS
+        return NOT_TAKEN
     out = branches[k](*operands)
     if (type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds) and not (
         validation.known_kind(key, out)
@@ -61,10 +61,10 @@ def eager_fast(name: str, k: int, branches: Sequence[Fn], operands: tuple[Any, .
     return finish_eager(out, branches, operands)
 
 
-def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> Any:
+def eager_one(branching: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> Any:
     """``branches[k](x)`` for a plain eager call (as :func:`eager_fast`) with the one
     plain tensor operand ``x``, closure-free functions or builtins as branches and a
-    validated signature; :data:`MISS` otherwise.
+    validated signature; :data:`NOT_TAKEN` otherwise.
 
     The commonest call of cond and switch, long-hand: one walk over the branches
     builds the verdict's key (``validation.flat_signature``'s) and, with grad
@@ -72,21 +72,21 @@ def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> 
     [untaken branches get zero gradients]), which would otherwise be a walk each.
     """
     if config.validate != _ONCE:
-        return MISS
+        return NOT_TAKEN
     grad = _grad_enabled()
     plain = True  # no branch reads a tensor from outside its arguments
-    key: list[Any] = [b.name]
+    key: list[Any] = [branching.name]
     add = key.append
     for fn in branches:
         kind = type(fn)
         if kind is _Function:
             if fn.__closure__ is not None:
-                return MISS
+                return NOT_TAKEN
             add(fn.__code__)
         elif kind is _Builtin and _closures.is_inert(fn):
             add(id(fn))  # validation.callable_key's (torch.tanh lives as long as torch)
         else:
-            return MISS
+            return NOT_TAKEN
         if plain and grad:
             plain = reads_nothing(fn)
     add(x.dtype)
@@ -95,14 +95,14 @@ def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> 
     signature = tuple(key)
     kinds = _VERDICTS.get(signature)
     if kinds is None:
-        return MISS
-    _inline.remember(b.name, branches, x, signature, kinds)  # later calls: Note [the eager inline cache]
+        return NOT_TAKEN
+    _inline.remember(branching.name, branches, x, signature, kinds)  # later calls: Note [the eager inline cache]
     out = branches[k](x)
     # Note [outputs are checked on every call]
     if (type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds) and not (
         validation.known_kind(signature, out)
     ):
-        check_new_kind(b, signature, branches, (x,), k, out)
+        check_new_kind(branching, signature, branches, (x,), k, out)
     if grad and (x.requires_grad or not plain):
         return finish_eager(out, branches, (x,))
     if type(out) is _Tensor and out is not x and not out._is_view() and not _effects.same_memory(out, x):
@@ -110,20 +110,22 @@ def eager_one(b: Branching, k: int, branches: Sequence[Fn], x: torch.Tensor) -> 
     return no_alias_tree(out, (x,))
 
 
-def finish_ran(b: Branching, branches: Sequence[Fn], operands: Sequence[Any], out: Any, k: int, entry: Any) -> Any:
+def finish_ran(
+    branching: Branching, branches: Sequence[Fn], operands: Sequence[Any], out: Any, k: int, entry: Any
+) -> Any:
     """Finish a call the inline cache found (Note [the eager inline cache]): branch
     ``k`` returned ``out``, which needs more than the cache checks (a new output
     kind, zero gradients, an alias of the operand)."""
     key = entry[-1]
     if not validation.known_kind(key, out):  # Note [outputs are checked on every call]
-        check_new_kind(b, key, branches, operands, k, out)
+        check_new_kind(branching, key, branches, operands, k, out)
     return finish_eager(out, branches, operands)
 
 
 def _run_unchecked(k: int, branches: Sequence[Fn], operands: tuple[Any, ...]) -> Any:
     for x in operands:
         if type(x) is not _Tensor:
-            return MISS
+            return NOT_TAKEN
     return finish_eager(branches[k](*operands), branches, operands)
 
 

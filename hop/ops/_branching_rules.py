@@ -26,62 +26,62 @@ _SINKS = _observe.SINKS
 _grad_enabled = torch.is_grad_enabled
 
 
-def dense(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+def dense(branching: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Run the chosen branch; a meta selector runs all and needs them to agree."""
     if isinstance(sel, torch.Tensor) and sel.is_meta:
         if any(isinstance(x, torch.Tensor) and not x.is_meta for x in operands):
-            raise _meta_selector(b, operands)
-        return _run_all_and_merge(b, branches, operands, None)
-    return inline(b, sel, branches, operands)
+            raise _meta_selector(branching, operands)
+        return _run_all_and_merge(branching, branches, operands, None)
+    return inline(branching, sel, branches, operands)
 
 
-def _meta_selector(b: Branching, operands: Sequence[Any]) -> HopValueError:
+def _meta_selector(branching: Branching, operands: Sequence[Any]) -> HopValueError:
     """A meta selector has no value: with real operands no branch can be chosen."""
     device = next(x.device for x in operands if isinstance(x, torch.Tensor) and not x.is_meta)
-    role = b.selector
+    role = branching.selector
     return HopValueError(
         format_message(
-            b.name,
+            branching.name,
             f"{role} is on the meta device (it has no value) but the operands are on {device}: no branch can be chosen",
             fix=f"Put {role} on the operands' device, or make every operand a meta tensor for metadata only.",
         ),
-        op=b.name,
+        op=branching.name,
         role=role,
     )
 
 
-def _run_all_and_merge(b: Branching, branches: Sequence[Fn], operands: Sequence[Any], shape_env: Any) -> Any:
+def _run_all_and_merge(branching: Branching, branches: Sequence[Fn], operands: Sequence[Any], shape_env: Any) -> Any:
     """Run every branch; one output whose differing sizes are unified (see hop._unbacked)."""
     ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else nullcontext()
     with ignore:  # symbols made inside the branches are bound in their subgraphs
         raw = [fn(*operands) for fn in branches]
     outs = [as_tuple(r) for r in raw]
-    roles = b.roles(len(branches))
-    _output_checks.check_same_outputs(b.name, roles, outs, fns=branches)
-    merged = Unifier(b.name, roles, shape_env).outputs(outs)
+    roles = branching.roles(len(branches))
+    _output_checks.check_same_outputs(branching.name, roles, outs, fns=branches)
+    merged = Unifier(branching.name, roles, shape_env).outputs(outs)
     return same_form(raw[0], _effects.clone_aliases(list(merged), operands))
 
 
-def inline(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+def inline(branching: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Note [eager branches run inline]: run the chosen branch at the current level."""
     if isinstance(sel, torch.Tensor):  # Note [the legacy ONNX exporter]
-        refuse_legacy_onnx(b.name, f"which branch runs depends on {b.selector}, a tensor")
-    k = b.index(sel, len(branches))
+        refuse_legacy_onnx(branching.name, f"which branch runs depends on {branching.selector}, a tensor")
+    k = branching.index(sel, len(branches))
     if _SINKS:
-        _observe.note(b.name, branch=k)
+        _observe.note(branching.name, branch=k)
     return no_alias(branches[k](*operands), operands)
 
 
-def autograd(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+def autograd(branching: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Concrete selector: inline (Note [untaken branches get zero gradients] outside
     torch.func transforms, which give unused inputs zeros themselves). Otherwise one
     node whose backward / jvp are the op again."""
     if _transforms.is_concrete(sel):
-        out = inline(b, sel, branches, operands)
+        out = inline(branching, sel, branches, operands)
         if _grad_enabled() and _transforms.functorch_level() is None:
             out = zero_untaken(out, branches, _pytree.flatten(tuple(operands))[0])
         return out
-    return _as_node(b, sel, branches, operands)
+    return _as_node(branching, sel, branches, operands)
 
 
 def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int, name: str) -> Fn:
@@ -130,13 +130,13 @@ class _BranchFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(b: Branching, sel: Any, branches: tuple[Fn, ...], *operands: Any) -> Any:
-        return b.call(sel, branches, operands)
+    def forward(branching: Branching, sel: Any, branches: tuple[Fn, ...], *operands: Any) -> Any:
+        return branching.call(sel, branches, operands)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        b, sel, branches, *operands = inputs
-        ctx.b, ctx.branches, ctx.n = b, branches, len(operands)
+        branching, sel, branches, *operands = inputs
+        ctx.branching, ctx.branches, ctx.n = branching, branches, len(operands)
         ctx.single = not isinstance(output, tuple)
         save_operands(ctx, (sel, *operands))
 
@@ -148,8 +148,8 @@ class _BranchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         sel, operands = _BranchFunction._inputs(ctx)
-        bw = [_vjp_branch(fn, operands, ctx.n, ctx.b.name) for fn in ctx.branches]
-        out = as_tuple(ctx.b.call(sel, bw, (*operands, *grads)))
+        bw = [_vjp_branch(fn, operands, ctx.n, ctx.branching.name) for fn in ctx.branches]
+        out = as_tuple(ctx.branching.call(sel, bw, (*operands, *grads)))
         it = iter(out)
         return (None, None, None, *[next(it) if differentiable(x) else None for x in operands])
 
@@ -162,53 +162,57 @@ class _BranchFunction(torch.autograd.Function):
             if differentiable(x)
         ]
         fw = [_jvp_branch(fn, operands, ctx.n) for fn in ctx.branches]
-        out = as_tuple(ctx.b.call(sel, fw, (*operands, *diff_t)))
+        out = as_tuple(ctx.branching.call(sel, fw, (*operands, *diff_t)))
         touts = out[len(out) // 2 :]
         return touts[0] if ctx.single else tuple(touts)
 
 
-def _as_node(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any], level: int | None = None) -> Any:
+def _as_node(
+    branching: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any], level: int | None = None
+) -> Any:
     """One autograd node; tensors the branches read from their closures and that need
     grad become inputs too (Note [closure conversion] in hop._closures)."""
     branches, captured = _closures.convert_closures(branches, operands, level)
     operands = (*operands, *captured)
-    return _BranchFunction.apply(b, sel, tuple(branches), *operands)  # type: ignore[no-untyped-call]
+    return _BranchFunction.apply(branching, sel, tuple(branches), *operands)  # type: ignore[no-untyped-call]
 
 
-def grad_or_jvp(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+def grad_or_jvp(
+    branching: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]
+) -> Any:
     """torch.func.grad / jvp: inline for a concrete selector, else the autograd node."""
     if _transforms.is_concrete(sel):
-        return inline(b, sel, branches, operands)
-    return _as_node(b, sel, branches, operands, interpreter.level())
+        return inline(branching, sel, branches, operands)
+    return _as_node(branching, sel, branches, operands, interpreter.level())
 
 
-def vmap(b: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+def vmap(branching: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Batched selector: every branch runs on the batch, outputs selected by torch.where.
     Unbatched: inline when concrete, else the op one level down on vmapped branches."""
     level = interpreter.level()
     (sel_u,), (sel_dim,) = _transforms.unwrap_batched([sel], level)
     if sel_dim is not None:
-        return _select_batched(b, sel, branches, operands)
+        return _select_batched(branching, sel, branches, operands)
     if _transforms.is_concrete(sel):
-        out = inline(b, sel, branches, operands)
+        out = inline(branching, sel, branches, operands)
         if _grad_enabled() and only_vmap_levels():  # Note [untaken branches get zero gradients]
             out = zero_untaken(out, branches, _pytree.flatten(tuple(operands))[0])
         return out
     unwrapped, dims = _transforms.unwrap_batched(operands, level)
     if all(d is None for d in dims):
         with interpreter.lower():
-            return b.call(sel_u, branches, unwrapped)
+            return branching.call(sel_u, branches, unwrapped)
     batched = [torch.vmap(fn, in_dims=tuple(dims), randomness=interpreter.randomness()) for fn in branches]
     with interpreter.lower():
-        out = b.call(sel_u, batched, unwrapped)
+        out = branching.call(sel_u, batched, unwrapped)
     return same_form(out, _transforms.add_batch_dims(as_tuple(out), level))
 
 
-def _select_batched(b: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+def _select_batched(branching: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Every branch on the whole batch, each on its own copy of the operands; outputs
     and in-place updates of operands are selected per element by the masks."""
     n = len(branches)
-    masks = [m.reshape(()) for m in b.masks(sel, n)]
+    masks = [m.reshape(()) for m in branching.masks(sel, n)]
     copies = [[x.clone() if isinstance(x, torch.Tensor) else x for x in operands] for _ in branches]
     versions = [[_version(x) for x in c] for c in copies]
     raw = [fn(*c) for fn, c in zip(branches, copies, strict=True)]
@@ -217,15 +221,15 @@ def _select_batched(b: Branching, sel: Any, branches: Sequence[Fn], operands: Se
         if written:
             x.copy_(_where_chain(masks, [copies[k][i] if k in written else x for k in range(n)]))
     outs = [as_tuple(r) for r in raw]
-    roles = b.roles(n)
+    roles = branching.roles(n)
     selected = []
     for i, col in enumerate(zip(*outs, strict=True)):
         if not isinstance(col[0], torch.Tensor):
             if any(v != col[0] for v in col):
-                raise _batched_mismatch(b, roles, i, col)
+                raise _batched_mismatch(branching, roles, i, col)
             selected.append(col[0])
         elif any(c.shape != col[0].shape for c in col):
-            raise _batched_mismatch(b, roles, i, col)
+            raise _batched_mismatch(branching, roles, i, col)
         else:
             selected.append(_where_chain(masks, col))
     return same_form(raw[0], selected)
@@ -248,35 +252,35 @@ def _where_chain(masks: Sequence[Any], values: Sequence[Any]) -> Any:
     return acc
 
 
-def _batched_mismatch(b: Branching, roles: Sequence[str], i: int, col: Sequence[Any]) -> HopValueError:
+def _batched_mismatch(branching: Branching, roles: Sequence[str], i: int, col: Sequence[Any]) -> HopValueError:
     shapes = " vs ".join(str(tuple(c.shape)) if isinstance(c, torch.Tensor) else repr(c) for c in col)
     return HopValueError(
         format_message(
-            b.name,
+            branching.name,
             f"under vmap with a batched selector every branch runs on the batch and the outputs are selected "
             f"element-wise, so {', '.join(roles)} must return equal sizes at output[{i}]: {shapes}",
             fix="Make the branches return the same sizes, or keep the selector unbatched.",
         ),
-        op=b.name,
+        op=branching.name,
         path=f"output[{i}]",
     )
 
 
-def fake(b: Branching, mode: FakeTensorMode, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+def fake(branching: Branching, mode: FakeTensorMode, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Output metadata: run every branch on fake tensors and unify what differs."""
     with mode:
         if type(sel) in (bool, int):
-            return dense(b, sel, branches, operands)
-        return _run_all_and_merge(b, branches, operands, mode.shape_env)
+            return dense(branching, sel, branches, operands)
+        return _run_all_and_merge(branching, branches, operands, mode.shape_env)
 
 
-def proxy(b: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
+def proxy(branching: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     """Trace every branch (lifting what it closes over) and record one node."""
     graphs, lifted = _lifting.trace_branches(branches, operands)
-    roles = b.roles(len(branches))
+    roles = branching.roles(len(branches))
     for role, fn, gm in zip(roles, branches, graphs, strict=True):
         check_effects(
-            b.name,
+            branching.name,
             role,
             fn,
             gm,
@@ -286,11 +290,11 @@ def proxy(b: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: S
         )
     graphs, all_operands = _lifting.distinct_inputs(graphs, (*operands, *lifted))
     with recording() as fresh:
-        out = b.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
+        out = branching.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
     for gm in graphs:
         _match_layout(gm, as_tuple(out))
-    result = _tracing.emit(mode, b.op, b.node_args(sel, graphs, all_operands), out)
-    assert_ranges(mode, b.name, result, fresh)
+    result = _tracing.emit(mode, branching.op, branching.node_args(sel, graphs, all_operands), out)
+    assert_ranges(mode, branching.name, result, fresh)
     return result
 
 

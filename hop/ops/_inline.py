@@ -27,7 +27,7 @@ an entry holds no value a program could rebind, nor a tensor. Entries are
 dropped with any verdict (``hop._validation.forget``), and all of them when the
 cache holds :data:`CACHE_SIZE`.
 
-:func:`cond` and :func:`switch` return the result, :data:`MISS` (nothing ran:
+:func:`cond` and :func:`switch` return the result, :data:`NOT_TAKEN` (nothing ran:
 Python takes over), or ``(out, k, entry)``: branch ``k`` ran and returned ``out``,
 which ``_branching_eager.finish_ran`` finishes (a new output kind, zero gradients to
 attach, an alias to clone).
@@ -57,9 +57,9 @@ from hop._transforms import functorch_level, mode_stack_len, nothing_active, tf_
 from hop.ops._zero_grads import ACCUMULATE_GRAD as _AccumulateGrad
 from hop.ops._zero_grads import reads_nothing
 
-__all__ = ["BUILT", "CACHE_SIZE", "MISS", "Entry", "cond", "key", "remember", "switch"]
+__all__ = ["BUILT", "CACHE_SIZE", "NOT_TAKEN", "Entry", "cond", "key", "remember", "switch"]
 
-MISS = object()
+NOT_TAKEN = object()
 CACHE_SIZE = 1024
 _Tensor = torch.Tensor
 _Function = FunctionType
@@ -139,42 +139,42 @@ def _usual(kinds: set[Any], operand_kind: Any) -> Any:
 
 
 def py_cond(pred: Any, true_fn: Fn, false_fn: Fn, operands: Any) -> Any:
-    """The result, :data:`MISS`, or ``(out, k, entry)`` for ``_branching_eager.finish_ran``."""
+    """The result, :data:`NOT_TAKEN`, or ``(out, k, entry)`` for ``_branching_eager.finish_ran``."""
     if type(pred) is not _Tensor or type(operands) is not tuple or len(operands) != 1:
-        return MISS
+        return NOT_TAKEN
     x = operands[0]
     if type(x) is not _Tensor or not _served():
-        return MISS
+        return NOT_TAKEN
     fns = (true_fn, false_fn)
     e = _find("cond", fns, x)
     if e is None:
-        return MISS
+        return NOT_TAKEN
     try:
         k = 0 if pred else 1
     except (RuntimeError, NotImplementedError):
-        return MISS  # meta, or several elements: the general path explains
+        return NOT_TAKEN  # meta, or several elements: the general path explains
     return _run(e, fns, k, x)
 
 
 def py_switch(index: Any, branches: Any, operands: Any) -> Any:
     """As :func:`py_cond`."""
     if type(index) is not _Tensor or type(operands) is not tuple or len(operands) != 1:
-        return MISS
+        return NOT_TAKEN
     if type(branches) is not list and type(branches) is not tuple:
-        return MISS
+        return NOT_TAKEN
     x = operands[0]
     if type(x) is not _Tensor or not branches or not _served() or index.dtype not in _INDEX_DTYPES:
-        return MISS
+        return NOT_TAKEN
     try:
         k = int(index)  # before the list is read: it may release the GIL
     except (RuntimeError, NotImplementedError, ValueError):
-        return MISS
+        return NOT_TAKEN
     fns = tuple(branches)  # a list can change while a branch runs
     if not 0 <= k < len(fns):
-        return MISS  # out of range: the general path raises
+        return NOT_TAKEN  # out of range: the general path raises
     e = _find("switch", fns, x)
     if e is None:
-        return MISS
+        return NOT_TAKEN
     return _run(e, fns, k, x, branches)
 
 
@@ -258,7 +258,7 @@ def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., 
     _fastpath.configure(
         entry_fields=Entry._fields,
         tensor=_Tensor,
-        miss=MISS,
+        not_taken=NOT_TAKEN,
         config=vars(config),
         reference=vars(_reference),
         sinks=_observe.SINKS,

@@ -194,11 +194,13 @@ def _call(gm: torch.fx.GraphModule, node: torch.fx.Node, op: Any, value: torch.f
     return new
 
 
-def _empty(gm: torch.fx.GraphModule, node: torch.fx.Node, like: torch.Tensor) -> torch.fx.Node:
-    """A new empty tensor of ``like``'s (static, zero-length) shape and dtype, before ``node``."""
+def _empty(gm: torch.fx.GraphModule, node: torch.fx.Node, template: torch.Tensor) -> torch.fx.Node:
+    """A new empty tensor of ``template``'s (static, zero-length) shape and dtype, before ``node``."""
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(
-            torch.ops.aten.empty.memory_format, (list(like.shape),), {"dtype": like.dtype, "device": like.device}
+            torch.ops.aten.empty.memory_format,
+            (list(template.shape),),
+            {"dtype": template.dtype, "device": template.device},
         )
-    new.meta["val"] = like
+    new.meta["val"] = template
     return new

@@ -93,10 +93,10 @@ def check_aoti(case: CheckCase) -> None:
     _check_forward_and_grads(case, "aoti", lambda *xs: _as_reference(package(*xs), case.want), grads=False)
 
 
-def _as_reference(out: Any, like: Any) -> Any:
+def _as_reference(out: Any, reference: Any) -> Any:
     """An AOTInductor package returns ints as 0-dim tensors: read them back where the reference has ints."""
     o_leaves, _ = flatten(out)
-    l_leaves, spec = flatten(like)
+    l_leaves, spec = flatten(reference)
     if len(o_leaves) != len(l_leaves):
         return out
     pairs = zip(o_leaves, l_leaves, strict=True)

@@ -5,7 +5,7 @@ refuses, operands of several kinds, selectors readable or not, grad on or off); 
 call first runs twice through the public function (the second call makes the
 entry), then both
 implementations serve the same call against the same cache, and must agree on the
-form of the answer (MISS, a finished result, or ``(out, k, entry)`` for Python to
+form of the answer (NOT_TAKEN, a finished result, or ``(out, k, entry)`` for Python to
 finish), on the branch taken, on the entry and on the values. ``key`` is compared
 as a relation: two calls' C keys are equal exactly when their Python keys are.
 Note [the eager inline cache] lists the deliberate differences.
@@ -154,8 +154,8 @@ def served(impl: str, op: str, selector: Any, fns: tuple[Callable[..., Any], ...
 
 def outcome(answer: Any) -> tuple[str, Any, Any, Any]:
     """(form, branch, entry, value) of an answer."""
-    if answer is _inline.MISS:
-        return "miss", None, None, None
+    if answer is _inline.NOT_TAKEN:
+        return "not taken", None, None, None
     if type(answer) is tuple:
         out, k, entry = answer
         return "finish", k, entry, out
@@ -211,7 +211,7 @@ def test_the_c_module_refuses_another_entry_layout() -> None:
         _fastpath.configure(
             entry_fields=("items", "dtype"),
             tensor=torch.Tensor,
-            miss=_inline.MISS,
+            not_taken=_inline.NOT_TAKEN,
             config={},
             reference={},
             sinks=[],
