@@ -22,11 +22,11 @@ from hop import _closures, _effects, config
 from hop import _validation as validation
 from hop.ops import _inline
 from hop.ops._branching import BY_NAME, Branching, check_new_kind, no_alias_tree
+from hop.ops._common import NOT_TAKEN
 from hop.ops._zero_grads import reads_nothing, zero_untaken
 
 Fn = Callable[..., Any]
 
-NOT_TAKEN = _inline.NOT_TAKEN
 _Tensor = torch.Tensor
 _Function = FunctionType
 _Builtin = BuiltinFunctionType

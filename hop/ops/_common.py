@@ -40,7 +40,8 @@ _set_tracing_state: Callable[[Any], None] = torch._C._set_tracing_state  # type:
 
 
 NOT_TAKEN = object()
-"""What :func:`front` returns when the public function is to run the call itself."""
+"""What a path returns when it does not take the call: :func:`front` when the public
+function is to run it, the eager fast paths (C and Python) when the general path must."""
 
 _SINKS = _observe.SINKS
 

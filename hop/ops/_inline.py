@@ -54,12 +54,12 @@ import torch
 from hop import _closures, _observe, _reference, config
 from hop import _validation as validation
 from hop._transforms import functorch_level, mode_stack_len, nothing_active, tf_mode_enabled
+from hop.ops._common import NOT_TAKEN  # one sentinel: this path did not take the call
 from hop.ops._zero_grads import ACCUMULATE_GRAD as _AccumulateGrad
 from hop.ops._zero_grads import reads_nothing
 
 __all__ = ["BUILT", "CACHE_SIZE", "NOT_TAKEN", "Entry", "cond", "key", "remember", "switch"]
 
-NOT_TAKEN = object()
 CACHE_SIZE = 1024
 _Tensor = torch.Tensor
 _Function = FunctionType

@@ -43,7 +43,6 @@ _VERDICTS = validation._VERDICTS
 _SINKS = _observe.SINKS
 _tracing_state = torch._C._get_tracing_state
 _fast = _inline.cond
-_NOT_TAKEN = _inline.NOT_TAKEN
 
 
 def cond(
@@ -82,7 +81,7 @@ def cond(
         r = _fast(pred, true_fn, false_fn, operands)
         if type(r) is _Tensor:
             return r
-        if r is not _NOT_TAKEN:
+        if r is not NOT_TAKEN:
             return fast.finish_ran(COND, (true_fn, false_fn), operands, *r)
     taken = front("cond", cond, cond_op, _reference.reference_cond, (pred, true_fn, false_fn, operands))
     if taken is not NOT_TAKEN:  # Note [a public function's front]
@@ -104,10 +103,10 @@ def cond(
         if k >= 0:
             if len(operands) == 1 and type(operands[0]) is _Tensor:  # the commonest call
                 out = fast.eager_one(COND, k, (true_fn, false_fn), operands[0])
-                if out is not fast.NOT_TAKEN:
+                if out is not NOT_TAKEN:
                     return out
             out = fast.eager_fast("cond", k, (true_fn, false_fn), operands)
-            if out is not fast.NOT_TAKEN:
+            if out is not NOT_TAKEN:
                 return out
     if _is_numpy_bool(pred):
         return cond(bool(pred), true_fn, false_fn, operands)

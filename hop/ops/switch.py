@@ -41,7 +41,6 @@ _check: Callable[..., None] = torch._check  # untyped in torch
 _SINKS = _observe.SINKS
 _tracing_state = torch._C._get_tracing_state
 _fast = _inline.switch
-_NOT_TAKEN = _inline.NOT_TAKEN
 
 
 def switch(
@@ -76,7 +75,7 @@ def switch(
         r = _fast(index, branches, operands)
         if type(r) is _Tensor:
             return r
-        if r is not _NOT_TAKEN:
+        if r is not NOT_TAKEN:
             return fast.finish_ran(SWITCH, tuple(branches), operands, *r)
     taken = front("switch", switch, switch_op, _reference.reference_switch, (index, branches, operands))
     if taken is not NOT_TAKEN:  # Note [a public function's front]
@@ -96,10 +95,10 @@ def switch(
         if 0 <= k < len(branches):
             if len(operands) == 1 and type(operands[0]) is _Tensor:  # the commonest call
                 out = fast.eager_one(SWITCH, k, branches, operands[0])
-                if out is not fast.NOT_TAKEN:
+                if out is not NOT_TAKEN:
                     return out
             out = fast.eager_fast("switch", k, branches, operands)
-            if out is not fast.NOT_TAKEN:
+            if out is not NOT_TAKEN:
                 return out
     if not isinstance(branches, (list, tuple)) or not branches:
         raise HopValueError(
