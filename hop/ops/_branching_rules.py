@@ -15,11 +15,19 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hop import _closures, _effects, _lifting, _observe, _output_checks, _pytree, _tracing, _transforms
-from hop._unbacked import Unifier, assert_ranges, dense_order, recording
+from hop import _closures, _effects, _lifting, _observe, _output_checks, _pytree, _transforms
+from hop._unbacked import Unifier, dense_order
 from hop.errors import HopValueError, format_message
 from hop.ops._branching import Branching, Fn, as_tuple, no_alias, same_form
-from hop.ops._common import check_effects, differentiable, refuse_legacy_onnx, save_operands, saved_operands
+from hop.ops._common import (
+    Writes,
+    differentiable,
+    record_node,
+    refuse_legacy_onnx,
+    save_operands,
+    saved_operands,
+    trace_callables,
+)
 from hop.ops._zero_grads import only_vmap_levels, zero_untaken
 
 _SINKS = _observe.SINKS
@@ -274,28 +282,22 @@ def fake(branching: Branching, mode: FakeTensorMode, sel: Any, branches: Sequenc
         return _run_all_and_merge(branching, branches, operands, mode.shape_env)
 
 
+_WRITES = Writes("operand", "operands", "Return the updated value from the branch instead of writing the operand.")
+
+
 def proxy(branching: Branching, mode: Any, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
-    """Trace every branch (lifting what it closes over) and record one node."""
-    graphs, lifted = _lifting.trace_branches(branches, operands)
+    """Trace every branch on the operands and record one node (hop.ops._common's skeleton)."""
     roles = branching.roles(len(branches))
-    for role, fn, gm in zip(roles, branches, graphs, strict=True):
-        check_effects(
-            branching.name,
-            role,
-            fn,
-            gm,
-            what="operand",
-            updates="operands",
-            fix="Return the updated value from the branch instead of writing the operand.",
-        )
+    graphs, lifted = trace_callables(branching.name, roles, branches, operands, _WRITES)
     graphs, all_operands = _lifting.distinct_inputs(graphs, (*operands, *lifted))
-    with recording() as fresh:
-        out = branching.call(sel, graphs, all_operands)  # the proxy mode is popped: this reaches the fake rule
-    for gm in graphs:
-        _match_layout(gm, as_tuple(out))
-    result = _tracing.emit(mode, branching.op, branching.node_args(sel, graphs, all_operands), out)
-    assert_ranges(mode, branching.name, result, fresh)
-    return result
+
+    def run() -> Any:
+        out = branching.call(sel, graphs, all_operands)
+        for gm in graphs:
+            _match_layout(gm, as_tuple(out))
+        return out
+
+    return record_node(mode, branching.name, branching.op, branching.node_args(sel, graphs, all_operands), run)
 
 
 def _match_layout(gm: torch.fx.GraphModule, merged: Sequence[Any]) -> None:

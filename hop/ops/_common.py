@@ -8,6 +8,7 @@ are arguments (the words of a message, the values to look at).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -16,20 +17,24 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
-from hop import _effects, _observe, _observe_calls, _output_checks, _reference, _transforms
+from hop import _effects, _lifting, _observe, _observe_calls, _output_checks, _reference, _tracing, _transforms
+from hop._unbacked import assert_ranges, recording
 from hop.errors import CompileUnsupported, MutationError, format_message
 
 __all__ = [
     "NOT_TAKEN",
+    "Writes",
     "check_effects",
     "differentiable",
     "differentiable_at",
     "front",
+    "record_node",
     "refuse_legacy_onnx",
     "runs_inline",
     "save_operands",
     "saved_operands",
     "static_size",
+    "trace_callables",
     "untraced",
 ]
 
@@ -180,3 +185,62 @@ def check_effects(
         )
     if effects.aliased:
         _effects.clone_aliased_outputs(gm, effects)
+
+
+# --- the proxy rule's skeleton -----------------------------------------------------------
+# Every operator's proxy rule is the same three steps: trace its callables on examples
+# (:func:`trace_callables`), adjust what it must (an operator's own step: distinct
+# inputs for branches, a fixpoint's generalized carries for while_loop), and record one
+# node (:func:`record_node`). The examples are the operator's: branches see the
+# operands, loop bodies a carry and one slice, combine_fn two slices.
+
+
+@dataclasses.dataclass(frozen=True)
+class Writes:
+    """How an operator's messages name an in-place write of a callable's input."""
+
+    what: str  # the input, as the family calls it ("operand", "carry")
+    updates: str  # what such a write would update
+    fix: str
+
+
+def trace_callables(
+    op: str,
+    roles: Sequence[str],
+    fns: Sequence[Callable[..., Any]],
+    examples: Sequence[Any],
+    writes: Writes,
+    *,
+    checked: Sequence[bool] | None = None,
+) -> tuple[list[torch.fx.GraphModule], list[Any]]:
+    """Trace each callable on ``examples`` (lifting what they close over: the second
+    result) and refuse those that write their inputs (all, or where ``checked`` says)."""
+    graphs, lifted = _lifting.trace_branches(fns, examples)
+    for i, (role, fn, gm) in enumerate(zip(roles, fns, graphs, strict=True)):
+        if checked is None or checked[i]:
+            check_effects(op, role, fn, gm, what=writes.what, updates=writes.updates, fix=writes.fix)
+    return graphs, lifted
+
+
+def record_node(
+    mode: Any,
+    op: str,
+    raw_op: Any,
+    node_args: Sequence[Any],
+    run: Callable[[], Any],
+    *,
+    kwargs: dict[str, Any] | None = None,
+    root: str = "output",
+    why: str = "the union of the branches' ranges",
+    tupled: bool = False,
+) -> Any:
+    """Record one ``raw_op`` node of ``node_args`` whose value ``run`` computes (the
+    proxy mode is popped there: the call reaches the fake rule), then a runtime assert
+    for each bound of each fresh size it made, read from the result (as a tuple where
+    ``tupled``: a while_loop's carries are named ``carry[i]`` however many)."""
+    with recording() as fresh:
+        out = run()
+    result = _tracing.emit(mode, raw_op, node_args, out, kwargs)
+    view = result if not tupled or isinstance(result, tuple) else (result,)
+    assert_ranges(mode, op, view, fresh, root=root, why=why)
+    return result

@@ -36,14 +36,14 @@ from torch._C._functorch import _add_batch_dim
 
 from hop import _closures, _lifting, _tracing, _transforms
 from hop._operator import HigherOrderOperator
-from hop._unbacked import assert_ranges, per_step_sizes, rebind_sizes, recording, run_in_subgraph
+from hop._unbacked import per_step_sizes, rebind_sizes, run_in_subgraph
 from hop.errors import (
     HopValueError,
     format_message,
 )
 from hop.ops import _common, _graph_step
 from hop.ops._branching import as_tuple
-from hop.ops._common import check_effects, differentiable, save_operands, saved_operands
+from hop.ops._common import Writes, differentiable, record_node, save_operands, saved_operands, trace_callables
 from hop.ops._loop_checks import LENGTH, check_carry, check_static, on_fake
 from hop.ops._loop_values import empty_slices, no_alias, raw_output
 from hop.ops._scan_derivatives import scan_jvp, scan_vjp
@@ -314,6 +314,11 @@ def _example_slice(x: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     return _tracing.trace_example(x.select(0, 0)) if x.shape[0] else torch.zeros_like(empty)
 
 
+BODY_WRITES = Writes(
+    "its input", "the carry, xs or closed-over tensors", "Return the updated value instead of writing the input."
+)
+
+
 def proxy(
     looping: Looping,
     mode: Any,
@@ -323,31 +328,16 @@ def proxy(
     additional: Sequence[Any],
     reverse: bool,
 ) -> Any:
-    """Trace the body on fresh example values (lifting what it closes over) and record one node."""
-    (gm,), lifted = _lifting.trace_branches([body], examples(init, xs, additional))
-    check_body_effects(looping.name, looping.role, body, gm)
+    """Trace the body on a carry and one slice and record one node (hop.ops._common's skeleton)."""
+    (gm,), lifted = trace_callables(looping.name, [looping.role], [body], examples(init, xs, additional), BODY_WRITES)
     all_additional = (*additional, *lifted)
-    with recording() as fresh:
-        out = looping.call(
-            gm, init, xs, all_additional, reverse
-        )  # the proxy mode is popped: this reaches the fake rule
-    result = _tracing.emit(
-        mode, looping.op, looping.node_args(gm, tuple(init), tuple(xs), all_additional, reverse), out
-    )
-    assert_ranges(mode, looping.name, result, fresh, why=f"the range {looping.role} gives it")
-    return result
-
-
-def check_body_effects(name: str, role: str, fn: Fn, gm: torch.fx.GraphModule) -> None:
-    """Refuse a body or combine_fn that writes its inputs; clone outputs that alias them."""
-    check_effects(
-        name,
-        role,
-        fn,
-        gm,
-        what="its input",
-        updates="the carry, xs or closed-over tensors",
-        fix="Return the updated value instead of writing the input.",
+    return record_node(
+        mode,
+        looping.name,
+        looping.op,
+        looping.node_args(gm, tuple(init), tuple(xs), all_additional, reverse),
+        lambda: looping.call(gm, init, xs, all_additional, reverse),
+        why=f"the range {looping.role} gives it",
     )
 
 

@@ -43,13 +43,11 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hop import (
     _closures,
     _effects,
-    _lifting,
     _observe,
     _observe_calls,
     _pytree,
     _reference,
     _spec,
-    _tracing,
     _transforms,
 )
 from hop._operator import HigherOrderOperator
@@ -309,11 +307,15 @@ def associative_scan_proxy(
         *_loop_values.empty_slices(xs, [0] * len(xs)),
         *additional_inputs,
     ]
-    (gm,), lifted = _lifting.trace_branches([combine_fn], examples)
-    _looping.check_body_effects(_NAME, "combine_fn", combine_fn, gm)
+    (gm,), lifted = _common.trace_callables(_NAME, ["combine_fn"], [combine_fn], examples, _looping.BODY_WRITES)
     all_additional = (*additional_inputs, *lifted)
-    out = associative_scan_op(gm, tuple(xs), all_additional, combine_mode)  # reaches the fake rule
-    return _tracing.emit(mode, associative_scan_op, (gm, tuple(xs), all_additional, combine_mode), out)
+    return _common.record_node(
+        mode,
+        _NAME,
+        associative_scan_op,
+        (gm, tuple(xs), all_additional, combine_mode),
+        lambda: associative_scan_op(gm, tuple(xs), all_additional, combine_mode),
+    )
 
 
 def _sequential(combine_fn: Fn) -> Fn:

@@ -38,12 +38,12 @@ from hop import _effects, _observe, _reference, _spec, _transforms
 from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
-from hop._unbacked import assert_ranges, generalize_carries, recording
+from hop._unbacked import generalize_carries
 from hop.errors import HopValueError, format_message
 from hop.ops import _checkpoint, _while_node, _while_run
 from hop.ops import _while_checks as checks
 from hop.ops._branching import as_tuple, no_alias, same_form
-from hop.ops._common import NOT_TAKEN, check_effects, front, runs_inline
+from hop.ops._common import NOT_TAKEN, Writes, front, record_node, runs_inline, trace_callables
 from hop.ops._while_checks import NAME as _NAME
 from hop.ops._while_ints import DERIVED, ints_as_tensors
 
@@ -287,6 +287,9 @@ def while_loop_fake(
     return no_alias(same_form(tuple(carried_inputs), out) if len(out) != 1 else out[0], carried_inputs)
 
 
+_WRITES = Writes("carry", "carries", "Return the new carry from body_fn instead of writing the old one.")
+
+
 @while_loop_op.py_impl(ProxyTorchDispatchMode)
 def while_loop_proxy(
     mode: ProxyTorchDispatchMode,
@@ -316,21 +319,25 @@ def while_loop_proxy(
         )
         # Note [bodies are traced on values they can see] (hop._tracing)
         templates = tuple(_subgraph.trace_example(t) for t in templates)
-    (cond_graph, body_graph), lifted = _subgraph.trace_branches([cond_fn, body_fn], (*templates, *additional_inputs))
-    checks.check_cond_graph(cond_graph, cond_fn)
-    check_effects(
+    (cond_graph, body_graph), lifted = trace_callables(
         _NAME,
-        "body_fn",
-        body_fn,
-        body_graph,
-        what="carry",
-        updates="carries",
-        fix="Return the new carry from body_fn instead of writing the old one.",
+        ["cond_fn", "body_fn"],
+        [cond_fn, body_fn],
+        (*templates, *additional_inputs),
+        _WRITES,
+        checked=[False, True],  # cond_fn has its own check
     )
+    checks.check_cond_graph(cond_graph, cond_fn)
     extra = (*additional_inputs, *lifted)
     flag = _while_node.flag(checkpoint)
-    with recording() as fresh:
-        out = while_loop_op(cond_graph, body_graph, tuple(carried_inputs), extra, **flag)
-    result = _subgraph.emit(mode, while_loop_op, (cond_graph, body_graph, tuple(carried_inputs), extra), out, flag)
-    assert_ranges(mode, _NAME, as_tuple(result), fresh, root="carry", why=DERIVED)
-    return result
+    return record_node(
+        mode,
+        _NAME,
+        while_loop_op,
+        (cond_graph, body_graph, tuple(carried_inputs), extra),
+        lambda: while_loop_op(cond_graph, body_graph, tuple(carried_inputs), extra, **flag),
+        kwargs=flag,
+        root="carry",
+        why=DERIVED,
+        tupled=True,
+    )
