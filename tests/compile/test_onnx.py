@@ -339,15 +339,66 @@ def test_a_scan_of_dynamic_step_shape_fails_at_length_zero() -> None:
         _run(session, (torch.randn(0, 5),))
 
 
-def test_a_branch_returning_a_constant_int_is_refused_by_the_exporter() -> None:
-    # torch's exporter cannot translate a subgraph that returns a Python int (docs/deploy.md's limits):
-    # it raises, it writes no file
-    class Constant(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> Any:
-            return hop.cond(x.sum() > 0, lambda a: (a * 2, 3), lambda a: (a, 4), (x,))
+class ConstantInts(torch.nn.Module):
+    """Branches returning Python ints: constants that differ (an unbacked int output), the
+    same constant in both, and a constant against a size."""
 
-    with pytest.raises(Exception, match="Failed to convert the exported program"):
-        _export(Constant(), (torch.ones(3),))
+    def forward(self, x: torch.Tensor) -> Any:
+        p = x.sum() > 0
+        y, k = hop.cond(p, lambda a: (a * 2, 3), lambda a: (a, 4), (x,))
+        z, same = hop.cond(p, lambda a: (a + 1, 5), lambda a: (a - 1, 5), (x,))
+        n = hop.cond(p, lambda a: a.shape[0], lambda a: 2, (x,))
+        return y * k + z * same, torch.full((2,), n)
+
+
+class SwitchConstants(torch.nn.Module):
+    def forward(self, i: torch.Tensor, x: torch.Tensor) -> Any:
+        y, k = hop.switch(i, [lambda a: (a, 1), lambda a: (a * 2, 7), lambda a: (a.sin(), 1)], (x,))
+        return y * k
+
+
+class NestedConstants(torch.nn.Module):
+    """A cond returning constant ints inside a loop body: a subgraph of a subgraph."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        def body(i: int, v: torch.Tensor) -> torch.Tensor:
+            return v * hop.cond(v.sum() > 0, lambda a: 2, lambda a: -3, (v,)) + 1
+
+        return hop.fori_loop(0, 3, body, x)
+
+
+@pytest.mark.parametrize("name", ["cond", "switch", "nested"])
+def test_branches_returning_constant_ints_export(name: str) -> None:
+    # torch's exporter cannot translate a subgraph that returns a Python int: hop's
+    # preparation makes each such output a 0-dim int64 constant, as the exporter
+    # represents ints
+    if name == "cond":
+        model: torch.nn.Module = ConstantInts().eval()
+        example: Inputs = (torch.ones(3),)
+        others: list[Inputs] = [(-torch.ones(3),), (torch.ones(6),), (-torch.ones(1),)]
+        dims: Any = (ROWS,)
+    elif name == "switch":
+        model, example, dims = SwitchConstants().eval(), (torch.tensor(1), torch.randn(3)), None
+        others = [(torch.tensor(0), torch.randn(3)), (torch.tensor(2), torch.randn(3))]
+    else:
+        model, example, dims = NestedConstants().eval(), (torch.ones(3),), None
+        others = [(-torch.ones(3) * 5,), (torch.full((3,), -0.2),)]
+    onnx_program = _export(model, example, dims)
+    onnx.checker.check_model(onnx_program.model_proto, full_check=True)
+    session = _session(onnx_program)
+    for inputs in [example, *others]:
+        _check(session, model, inputs)
+
+
+def test_exporting_a_program_with_constant_outputs_leaves_it_alone() -> None:
+    model, x = ConstantInts().eval(), torch.ones(3)
+    program = torch.export.export(model, (x,))
+    before = [str(m.graph) for m in program.graph_module.modules()]
+    session = _session(_export(program, (x,)))
+    assert [str(m.graph) for m in program.graph_module.modules()] == before
+    for inputs in [(x,), (-x,)]:
+        _check(session, model, inputs)
+        torch.testing.assert_close(program.module()(*inputs), model(*inputs))
 
 
 def test_translations_cover_every_operator() -> None:
