@@ -258,7 +258,11 @@ def child(name: str, impl: str) -> None:
     """One process's first compiled call of a program; prints its seconds and the caches' counters."""
     from torch._dynamo.utils import counters
 
-    _, hop_fn, torch_fn, args = next(p for p in programs() if p[0] == name)
+    if name == _FLOOR:  # no control flow: the warm start's floor (importing Dynamo and Inductor, loading)
+        hop_fn = torch_fn = lambda x: x.sin() * 2 + 1
+        args: tuple[Any, ...] = (torch.randn(4, 8),)
+    else:
+        _, hop_fn, torch_fn, args = next(p for p in programs() if p[0] == name)
     compiled = torch.compile(hop_fn if impl == "hop" else torch_fn, backend="inductor")
     seconds, _ = _timed(lambda: compiled(*args))
     fx = {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items() if "cache" in k}
@@ -266,14 +270,19 @@ def child(name: str, impl: str) -> None:
     print(f"{seconds:.2f}|{fx}|{aot}")
 
 
+_FLOOR = "no control flow"
+
+
 def warm(wanted: set[str]) -> None:
+    """The table of ``--warm``; its first row is a program without control flow (one
+    process pair), the floor under every warm start."""
     header = ["op", "impl", "cold s", "warm s", "warm / cold", "warm: FX graph cache", "warm: AOTAutograd cache"]
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
-    for name, *_ in programs():
-        if wanted and name not in wanted:
+    for name in [_FLOOR, *(p[0] for p in programs())]:
+        if wanted and name not in wanted and name != _FLOOR:
             continue
-        for impl in ("hop", "torch"):
+        for impl in ("hop", "torch") if name != _FLOOR else ("plain",):
             with tempfile.TemporaryDirectory() as cache:
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "0"}
                 runs = [
