@@ -13,8 +13,10 @@ those functions:
   trip count, the condition evaluated before the first step and after each;
 - ``scan`` and ``map`` (a scan without carries): ``Loop`` over the length of xs,
   the ys its scan outputs (Note [scans as ONNX loops]);
-- ``associative_scan``: the sequential scan it equals (one combine per element),
-  under an ``If`` for a length of 0 or 1.
+- ``associative_scan``: with ``combine_mode="pointwise"`` a parallel prefix, one
+  ``Loop`` of ceil(log2 n) steps (Note [a pointwise associative_scan in ONNX]);
+  ``"generic"``: the sequential scan it equals (one combine per element), under an
+  ``If`` for a length of 0 or 1.
 
 The nodes go to the exporter's recorder (``_core.current_tracer``), as torch's
 own translations of its control flow do; their subgraphs read outer values by name.
@@ -296,11 +298,14 @@ def translate_map(body_fn: ir.Function, xs: Sequence[Any], additional: Sequence[
 def translate_associative_scan(
     combine_fn: ir.Function, xs: Sequence[Any], additional: Sequence[Any], combine_mode: str
 ) -> Outputs:
-    """``out[0] = xs[0]``, ``out[i] = combine(out[i - 1], xs[i])``: a scan over ``xs[1:]``
-    from ``xs[0]`` whose ys are its carries; a length of 0 or 1 is its own result."""
+    """``out[0] = xs[0]``, ``out[i] = combine(out[i - 1], xs[i])``. Pointwise: a parallel
+    prefix. Generic: a scan over ``xs[1:]`` from ``xs[0]`` whose ys are its carries; a
+    length of 0 or 1 is its own result."""
     nodes = _Nodes(outer=True)
     xs = list(xs)
     extra = _values(nodes, additional, combine_fn, 2 * len(xs), "associative_scan")
+    if combine_mode == "pointwise":
+        return _pack(_parallel_prefix(nodes, xs, combine_fn, extra))
     short = nodes.op("LessOrEqual", [_length(nodes, xs[0]), nodes.const(1)])[0]
     ident = _Nodes()
     same = ident.graph([], [ident.op("Identity", [x])[0] for x in xs], "short")
@@ -322,6 +327,48 @@ def translate_associative_scan(
     outs = [seq.op("Concat", [f, y], axis=0)[0] for f, y in zip(firsts, ys, strict=True)]
     sequential = seq.graph([], outs, "sequential")
     return _pack(nodes.op("If", [short], len(xs), then_branch=same, else_branch=sequential))
+
+
+# Note [a pointwise associative_scan in ONNX]
+# A pointwise combine_fn takes batches of slices at once (as the dense rule calls it),
+# so the scan is the Hillis-Steele prefix: for d = 1, 2, 4, ... while d < n,
+# out = concat(out[:d], combine(out[:n - d], out[d:])). Each step combines every
+# element with the one d before it, so after step k, out[i] combines the 2^k
+# elements ending at i: ceil(log2 n) steps, one batched combine each, the same
+# result as the sequential scan for an associative combine_fn. A length of 0 or 1
+# runs no step. The shapes combine_fn's function declares (of one slice, for its
+# inputs, outputs and every value inside) are dropped, since here it gets batches;
+# the dtypes stay.
+
+
+def _parallel_prefix(
+    nodes: _Nodes, xs: Sequence[ir.Value], combine_fn: ir.Function, extra: Sequence[ir.Value]
+) -> list[ir.Value]:
+    one = nodes.const(1)
+    start = nodes.op("Less", [one, _length(nodes, xs[0])])[0]
+    body = _Nodes()
+    step, going = _scalar("step", ir.DataType.INT64), _scalar("going", ir.DataType.BOOL)  # a Loop body's first inputs
+    stride = _scalar("stride", ir.DataType.INT64)
+    outs = _fresh(xs, "prefix")
+    n = _length(body, outs[0])
+    axis0, end = body.const([0]), body.const([_INT64_MAX])
+    d = body.op("Unsqueeze", [stride, axis0])[0]
+    n_d = body.op("Unsqueeze", [body.op("Sub", [n, stride])[0], axis0])[0]
+    heads = [body.op("Slice", [o, axis0, d, axis0])[0] for o in outs]
+    earlier = [body.op("Slice", [o, axis0, n_d, axis0])[0] for o in outs]
+    later = [body.op("Slice", [o, d, end, axis0])[0] for o in outs]
+    _untyped_shapes(combine_fn)
+    combined = body.call(combine_fn, [*earlier, *later, *extra])
+    new = [body.op("Concat", [h, c], axis=0)[0] for h, c in zip(heads, combined, strict=True)]
+    doubled = body.op("Mul", [stride, body.const(2)])[0]
+    again = body.op("Less", [doubled, n])[0]
+    graph = body.graph([step, going, stride, *outs], [again, doubled, *new], "prefix_body")
+    return list(nodes.op("Loop", [None, start, one, *xs], 1 + len(xs), body=graph))[1:]
+
+
+def _untyped_shapes(fn: ir.Function) -> None:
+    for value in [*fn.inputs, *fn.outputs, *(out for node in fn for out in node.outputs)]:
+        value.shape = None
 
 
 def _ops() -> dict[Any, Callable[..., Outputs]]:

@@ -3,7 +3,7 @@
 After ``import hop`` every ``torch.ops.hop.*`` node exports, from a module or from an
 ``ExportedProgram``, with nothing to register: ``cond`` as ``If``, ``switch`` as a
 chain of ``If``, ``while_loop`` / ``fori_loop`` as ``Loop``, ``scan`` / ``map`` as
-``Loop`` and ``associative_scan`` as a sequential ``Loop`` (the translations are in
+``Loop`` and ``associative_scan`` as a parallel-prefix ``Loop`` (pointwise) or a sequential one (the translations are in
 :mod:`hop.compile._onnx_ops`; docs/deploy.md has the table and the limits).
 
 Registration is lazy, as for Dynamo and Inductor: ``import hop`` imports neither

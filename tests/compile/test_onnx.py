@@ -175,6 +175,22 @@ class Cumsum(torch.nn.Module):
         return hop.associative_scan(torch.add, xs, 0)
 
 
+class Recurrence(torch.nn.Module):
+    """pointwise mode, dim 1: h[t] = a[t] * h[t - 1] + b[t] (a selective scan's recurrence)
+    as pairs, with a closed-over tensor the combine reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.floor = torch.full((2,), -1e9)  # never binding: the combine stays associative
+
+    def forward(self, xs: torch.Tensor) -> Any:
+        def combine(p: tuple[torch.Tensor, torch.Tensor], q: tuple[torch.Tensor, torch.Tensor]) -> Any:
+            a = p[0] * q[0]
+            return a, torch.maximum(q[0] * p[1] + q[1], self.floor)
+
+        return hop.associative_scan(combine, (xs.sigmoid(), xs.cos()), 1)
+
+
 class CumprodTree(torch.nn.Module):
     """generic mode, dim 1, reverse, a pytree of two leaves."""
 
@@ -251,7 +267,14 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], Inputs, list[Inputs], Any,
     ),
     "scan": (ScanTree, (torch.randn(4, 3),), _rows(7, 1, 0), (ROWS,), {"Loop"}),
     "map": (Map, (torch.randn(4, 3),), _rows(9, 1, 0), (ROWS,), {"Loop"}),
-    "associative_scan": (Cumsum, (torch.randn(5, 2),), _rows(8, 2, 1, 0, width=2), (ROWS,), {"Loop", "If"}),
+    "associative_scan": (Cumsum, (torch.randn(5, 2),), _rows(8, 2, 1, 0, 33, width=2), (ROWS,), {"Loop"}),
+    "associative_scan_pointwise": (
+        Recurrence,
+        (torch.randn(2, 5),),
+        [(torch.randn(2, 17),), (torch.randn(2, 1),), (torch.randn(2, 0),), (torch.randn(2, 64),)],
+        ({1: N},),
+        {"Loop"},
+    ),
     "associative_scan_generic": (
         CumprodTree,
         (torch.randn(2, 5),),
@@ -292,6 +315,14 @@ def test_exports_from_an_exported_program(name: str) -> None:
     session = _session(_export(program, example))
     for inputs in [example, *others]:
         _check(session, model, inputs)
+
+
+def test_a_pointwise_associative_scan_is_a_parallel_prefix() -> None:
+    # Note [a pointwise associative_scan in ONNX]: one Loop of ceil(log2 n) steps, no
+    # sequential scan (which sits under an If for short lengths)
+    model, xs = Recurrence().eval(), torch.randn(2, 5)
+    types = _op_types(_export(model, (xs,), ({1: N},)).model_proto)
+    assert types.count("Loop") == 1 and "If" not in types, types
 
 
 def test_a_saved_file_runs_in_a_fresh_onnxruntime(tmp_path: Any) -> None:
