@@ -20,8 +20,10 @@ from hop._unbacked import Unifier, dense_order
 from hop.errors import HopValueError, format_message
 from hop.ops._branching import Branching, Fn, as_tuple, no_alias, same_form
 from hop.ops._common import (
+    Vmapped,
     Writes,
     differentiable,
+    lower_vmap,
     record_node,
     refuse_legacy_onnx,
     save_operands,
@@ -206,14 +208,13 @@ def vmap(branching: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn
         if _grad_enabled() and only_vmap_levels():  # Note [untaken branches get zero gradients]
             out = zero_untaken(out, branches, _pytree.flatten(tuple(operands))[0])
         return out
-    unwrapped, dims = _transforms.unwrap_batched(operands, level)
-    if all(d is None for d in dims):
-        with interpreter.lower():
-            return branching.call(sel_u, branches, unwrapped)
-    batched = [torch.vmap(fn, in_dims=tuple(dims), randomness=interpreter.randomness()) for fn in branches]
-    with interpreter.lower():
-        out = branching.call(sel_u, batched, unwrapped)
-    return same_form(out, _transforms.add_batch_dims(as_tuple(out), level))
+
+    def batched(values: list[list[Any]], dims: list[list[int | None]], size: int, vmapped: Vmapped) -> Any:
+        (unwrapped,), (in_dims,) = values, dims
+        fns = [vmapped(fn, tuple(in_dims)) for fn in branches]
+        return lambda: branching.call(sel_u, fns, unwrapped), lambda k: 0
+
+    return lower_vmap(interpreter, [operands], lambda ops: branching.call(sel_u, branches, ops), batched)
 
 
 def _select_batched(branching: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.fx
+from torch._C._functorch import _add_batch_dim
 
 from hop import _effects, _lifting, _observe, _observe_calls, _output_checks, _reference, _tracing, _transforms
 from hop._unbacked import assert_ranges, recording
@@ -23,11 +24,14 @@ from hop.errors import CompileUnsupported, MutationError, format_message
 
 __all__ = [
     "NOT_TAKEN",
+    "Placement",
+    "Vmapped",
     "Writes",
     "check_effects",
     "differentiable",
     "differentiable_at",
     "front",
+    "lower_vmap",
     "record_node",
     "refuse_legacy_onnx",
     "runs_inline",
@@ -244,3 +248,49 @@ def record_node(
     view = result if not tupled or isinstance(result, tuple) else (result,)
     assert_ranges(mode, op, view, fresh, root=root, why=why)
     return result
+
+
+# --- the vmap rule's skeleton ------------------------------------------------------------
+# Every operator's vmap rule, once its inline cases are out (real tensors run the
+# callables as Python), lowers the same way: unwrap each argument group at the
+# interpreter's level; if nothing is batched there, the op one level down on the
+# unwrapped values; else the operator places the batch (where each value carries
+# it, how the callables are vmapped: its own step), the op runs one level down, and
+# each output gets its batch dimension back where the operator says.
+
+Vmapped = Callable[[Callable[..., Any], tuple[int | None, ...]], Callable[..., Any]]
+"""``vmapped(fn, in_dims)``: ``fn`` under ``torch.vmap`` with the interpreter's randomness."""
+Placement = Callable[
+    [list[list[Any]], list[list[int | None]], int, Vmapped], tuple[Callable[[], Any], Callable[[int], int]]
+]
+"""An operator's own step of its vmap rule: ``(values, dims, size, vmapped) -> (call, out_dim)``."""
+
+
+def lower_vmap(
+    interpreter: Any,
+    groups: Sequence[Sequence[Any]],
+    unbatched: Callable[..., Any],
+    batched: Callable[
+        [list[list[Any]], list[list[int | None]], int, Vmapped], tuple[Callable[[], Any], Callable[[int], int]]
+    ],
+) -> Any:
+    """The op one level down under ``interpreter`` (a vmap level). ``unbatched(*groups)``
+    runs it when no value is batched at this level; else ``batched(values, dims, size,
+    vmapped)`` gives the call (values placed, callables vmapped) and, for output k,
+    the dimension that holds its batch."""
+    level = interpreter.level()
+    pairs = [_transforms.unwrap_batched(g, level) for g in groups]
+    values, dims = [v for v, _ in pairs], [d for _, d in pairs]
+    if all(d is None for ds in dims for d in ds):
+        with interpreter.lower():
+            return unbatched(*values)
+
+    def vmapped(fn: Callable[..., Any], in_dims: tuple[int | None, ...]) -> Callable[..., Any]:
+        return torch.vmap(fn, in_dims=in_dims, randomness=interpreter.randomness())
+
+    call, out_dim = batched(values, dims, interpreter.batch_size(), vmapped)
+    with interpreter.lower():
+        out = call()
+    flat = out if isinstance(out, tuple) else (out,)
+    wrapped = [_add_batch_dim(o, out_dim(k), level) if isinstance(o, torch.Tensor) else o for k, o in enumerate(flat)]
+    return tuple(wrapped) if isinstance(out, tuple) else wrapped[0]

@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._C._functorch import _add_batch_dim
 
 from hop import _closures, _lifting, _tracing, _transforms
 from hop._operator import HigherOrderOperator
@@ -43,7 +42,16 @@ from hop.errors import (
 )
 from hop.ops import _common, _graph_step
 from hop.ops._branching import as_tuple
-from hop.ops._common import Writes, differentiable, record_node, save_operands, saved_operands, trace_callables
+from hop.ops._common import (
+    Vmapped,
+    Writes,
+    differentiable,
+    lower_vmap,
+    record_node,
+    save_operands,
+    saved_operands,
+    trace_callables,
+)
 from hop.ops._loop_checks import LENGTH, check_carry, check_static, on_fake
 from hop.ops._loop_values import empty_slices, no_alias, raw_output
 from hop.ops._scan_derivatives import scan_jvp, scan_vjp
@@ -217,25 +225,22 @@ def vmap(
     """
     if runs_inline(xs[0].shape[0], init, xs, additional):
         return dense(looping, body, init, xs, additional, reverse)
-    level = interpreter.level()
-    init_u, init_d = _transforms.unwrap_batched(init, level)
-    xs_u, xs_d = _transforms.unwrap_batched(xs, level)
-    add_u, add_d = _transforms.unwrap_batched(additional, level)
-    if all(d is None for d in (*init_d, *xs_d, *add_d)):
-        with interpreter.lower():
-            return looping.call(body, init_u, xs_u, add_u, reverse)
-    size = interpreter.batch_size()
-    init_b = [
-        v.unsqueeze(0).expand(size, *v.shape) if d is None else v.movedim(d, 0)
-        for v, d in zip(init_u, init_d, strict=True)
-    ]
-    xs_b = [v if d is None else v.movedim(d, 1) for v, d in zip(xs_u, xs_d, strict=True)]
-    in_dims = (*[0] * len(init), *[None if d is None else 0 for d in xs_d], *add_d)
-    batched = torch.vmap(body, in_dims=in_dims, randomness=interpreter.randomness())
-    with interpreter.lower():
-        out = as_tuple(looping.call(batched, init_b, xs_b, add_u, reverse))
     nc = len(init)
-    return raw_output([_add_batch_dim(o, 0 if k < nc else 1, level) for k, o in enumerate(out)])
+
+    def batched(values: list[list[Any]], dims: list[list[int | None]], size: int, vmapped: Vmapped) -> Any:
+        (init_u, xs_u, add_u), (init_d, xs_d, add_d) = values, dims
+        init_b = [
+            v.unsqueeze(0).expand(size, *v.shape) if d is None else v.movedim(d, 0)
+            for v, d in zip(init_u, init_d, strict=True)
+        ]
+        xs_b = [v if d is None else v.movedim(d, 1) for v, d in zip(xs_u, xs_d, strict=True)]
+        in_dims = (*[0] * nc, *[None if d is None else 0 for d in xs_d], *add_d)
+        body_b = vmapped(body, in_dims)
+        return lambda: looping.call(body_b, init_b, xs_b, add_u, reverse), lambda k: 0 if k < nc else 1
+
+    return lower_vmap(
+        interpreter, [init, xs, additional], lambda i, x, a: looping.call(body, i, x, a, reverse), batched
+    )
 
 
 def fake(

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from torch._C import DispatchKey
-from torch._C._functorch import TransformType, _add_batch_dim
+from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
@@ -48,7 +48,6 @@ from hop import (
     _pytree,
     _reference,
     _spec,
-    _transforms,
 )
 from hop._operator import HigherOrderOperator
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
@@ -256,22 +255,22 @@ def associative_scan_vmap(
     every leaf of ``xs`` batched at dim 1."""
     if _looping.runs_inline(xs[0].shape[0], xs, additional_inputs):
         return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
-    level = interpreter.level()
-    xs_u, xs_d = _transforms.unwrap_batched(xs, level)
-    add_u, add_d = _transforms.unwrap_batched(additional_inputs, level)
-    if all(d is None for d in (*xs_d, *add_d)):
-        with interpreter.lower():
-            return associative_scan_op(combine_fn, xs_u, add_u, combine_mode)
-    size = interpreter.batch_size()
-    xs_b = [
-        v.unsqueeze(1).expand(v.shape[0], size, *v.shape[1:]) if d is None else v.movedim(d, 1)
-        for v, d in zip(xs_u, xs_d, strict=True)
-    ]
-    in_dims = (*[0] * (2 * len(xs)), *add_d)
-    batched = torch.vmap(combine_fn, in_dims=in_dims, randomness=interpreter.randomness())
-    with interpreter.lower():
-        out = as_tuple(associative_scan_op(batched, tuple(xs_b), tuple(add_u), "generic"))
-    return _loop_values.raw_output([_add_batch_dim(o, 1, level) for o in out])
+
+    def batched(values: list[list[Any]], dims: list[list[int | None]], size: int, vmapped: _common.Vmapped) -> Any:
+        (xs_u, add_u), (xs_d, add_d) = values, dims
+        xs_b = [
+            v.unsqueeze(1).expand(v.shape[0], size, *v.shape[1:]) if d is None else v.movedim(d, 1)
+            for v, d in zip(xs_u, xs_d, strict=True)
+        ]
+        combine_b = vmapped(combine_fn, (*[0] * (2 * len(xs)), *add_d))
+        return lambda: associative_scan_op(combine_b, tuple(xs_b), tuple(add_u), "generic"), lambda k: 1
+
+    return _common.lower_vmap(
+        interpreter,
+        [xs, additional_inputs],
+        lambda x, a: associative_scan_op(combine_fn, x, a, combine_mode),
+        batched,
+    )
 
 
 @associative_scan_op.py_functionalize_impl

@@ -43,7 +43,7 @@ from hop.errors import HopValueError, format_message
 from hop.ops import _checkpoint, _while_node, _while_run
 from hop.ops import _while_checks as checks
 from hop.ops._branching import as_tuple, no_alias, same_form
-from hop.ops._common import NOT_TAKEN, Writes, front, record_node, runs_inline, trace_callables
+from hop.ops._common import NOT_TAKEN, Vmapped, Writes, front, lower_vmap, record_node, runs_inline, trace_callables
 from hop.ops._while_checks import NAME as _NAME
 from hop.ops._while_ints import DERIVED, ints_as_tensors
 
@@ -222,36 +222,40 @@ def while_loop_vmap(
     any element is active and freezes finished ones."""
     if runs_inline(carried_inputs, additional_inputs):
         return while_loop_dense(cond_fn, body_fn, carried_inputs, additional_inputs)
-    level, size = interpreter.level(), interpreter.batch_size()
-    carried, c_dims = _transforms.unwrap_batched(carried_inputs, level)
-    extra, e_dims = _transforms.unwrap_batched(additional_inputs, level)
-    if any(not isinstance(c, torch.Tensor) for c in carried):
+    if any(not isinstance(c, torch.Tensor) for c in carried_inputs):
         raise HopValueError(
             format_message(_NAME, "under vmap, traced loops carry tensors only", fix="Carry counters as tensors."),
             op=_NAME,
         )
-    carried = [
-        c.movedim(d, 0) if d is not None else c.expand(size, *c.shape) for c, d in zip(carried, c_dims, strict=True)
-    ]
-    in_dims = (0,) * len(carried) + tuple(e_dims)
-    randomness = interpreter.randomness()
-    vcond = torch.vmap(cond_fn, in_dims=in_dims, randomness=randomness)
-    vbody = torch.vmap(body_fn, in_dims=in_dims, randomness=randomness)
+    flag = _while_node.flag(checkpoint)
 
-    def any_active(*args: Any) -> Any:
-        return vcond(*args).reshape(size).any()
+    def batched(values: list[list[Any]], dims: list[list[int | None]], size: int, vmapped: Vmapped) -> Any:
+        (carried, extra), (c_dims, e_dims) = values, dims
+        carried = [
+            c.movedim(d, 0) if d is not None else c.expand(size, *c.shape) for c, d in zip(carried, c_dims, strict=True)
+        ]
+        in_dims = (0,) * len(carried) + tuple(e_dims)
+        vcond, vbody = vmapped(cond_fn, in_dims), vmapped(body_fn, in_dims)
 
-    def masked_body(*args: Any) -> tuple[Any, ...]:
-        active = vcond(*args).reshape(size)
-        new = as_tuple(vbody(*args))
-        return tuple(
-            torch.where(active.reshape(size, *[1] * (o.dim() - 1)), n, o)
-            for n, o in zip(new, args[: len(new)], strict=True)
-        )
+        def any_active(*args: Any) -> Any:
+            return vcond(*args).reshape(size).any()
 
-    with interpreter.lower():
-        out = while_loop_op(any_active, masked_body, tuple(carried), tuple(extra), **_while_node.flag(checkpoint))
-    return same_form(out, _transforms.add_batch_dims(as_tuple(out), level))
+        def masked_body(*args: Any) -> tuple[Any, ...]:
+            active = vcond(*args).reshape(size)
+            new = as_tuple(vbody(*args))
+            return tuple(
+                torch.where(active.reshape(size, *[1] * (o.dim() - 1)), n, o)
+                for n, o in zip(new, args[: len(new)], strict=True)
+            )
+
+        return lambda: while_loop_op(any_active, masked_body, tuple(carried), tuple(extra), **flag), lambda k: 0
+
+    return lower_vmap(
+        interpreter,
+        [carried_inputs, additional_inputs],
+        lambda c, a: while_loop_op(cond_fn, body_fn, tuple(c), tuple(a), **flag),
+        batched,
+    )
 
 
 @while_loop_op.py_functionalize_impl
