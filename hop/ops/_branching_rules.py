@@ -94,9 +94,8 @@ def autograd(branching: Branching, sel: Any, branches: Sequence[Fn], operands: S
     return _as_node(branching, sel, branches, operands)
 
 
-def _vjp_branch(fn: Fn, operands: Sequence[Any], n: int, name: str) -> Fn:
-    """``(*operands, *cotangents) -> grads of the differentiable operands``."""
-    diff = [i for i, x in enumerate(operands) if differentiable(x)]
+def _vjp_branch(fn: Fn, diff: Sequence[int], n: int, name: str) -> Fn:
+    """``(*operands, *cotangents) -> grads of the operands at positions diff``."""
 
     def vjp_branch(*args: Any) -> Any:
         primals, cts = list(args[:n]), args[n:]
@@ -158,10 +157,15 @@ class _BranchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         sel, operands = _BranchFunction._inputs(ctx)
-        bw = [_vjp_branch(fn, operands, ctx.n, ctx.branching.name) for fn in ctx.branches]
+        # only the operands autograd asks for: a traced backward computes what its
+        # branches return, used or not (data that needs no gradient, say)
+        diff = [i for i, x in enumerate(operands) if differentiable(x) and ctx.needs_input_grad[3 + i]]
+        if not diff:
+            return (None,) * (3 + ctx.n)
+        bw = [_vjp_branch(fn, diff, ctx.n, ctx.branching.name) for fn in ctx.branches]
         out = as_tuple(ctx.branching.call(sel, bw, (*operands, *grads)))
-        it = iter(out)
-        return (None, None, None, *[next(it) if differentiable(x) else None for x in operands])
+        by_position = dict(zip(diff, out, strict=True))
+        return (None, None, None, *[by_position.get(i) for i in range(ctx.n)])
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:

@@ -84,26 +84,29 @@ def gradients(
     *,
     fixed_sizes: bool,
     checkpoint: bool,
+    wanted_extra: Sequence[bool],
 ) -> tuple[list[Any], list[Any]]:
-    """The gradients of every carry and additional input (None where not differentiable),
-    given ``g_carry`` for the final carry (None where not differentiable); Note [reverse
-    mode of a traced loop] chooses the method. ``loop`` is while_loop's raw op, which
-    the recomputing methods run."""
+    """The gradients of every carry and of the additional inputs autograd asks for
+    (``wanted_extra``; None for the others and where not differentiable: a traced
+    backward computes what it returns, used or not), given ``g_carry`` for the final
+    carry (None where not differentiable); Note [reverse mode of a traced loop] chooses
+    the method. ``loop`` is while_loop's raw op, which the recomputing methods run."""
     if _untracked(trips):
         raise _export_backward_error()
+    d_e = [i for i, x in enumerate(extra) if differentiable(x) and wanted_extra[i]]
     if not fixed_sizes or not _count_is_traceable([*carried, *extra, trips]):
-        return _recompute(loop, body_fn, carried, extra, trips, g_carry)
+        return _recompute(loop, body_fn, carried, extra, trips, g_carry, d_e)
     n_t = _longest(trips)
     if _transforms.is_concrete(n_t) and int(n_t) == 0:  # torch.func, eager: nothing ran, nothing to pull through
-        return g_carry, [torch.zeros_like(x) if differentiable(x) else None for x in extra]
+        return g_carry, _transforms.place([None] * len(extra), d_e, [torch.zeros_like(extra[i]) for i in d_e])
     carry_t, step = _int_carries_as_tensors(body_fn, carried)
     nc, ne = len(carried), len(extra)
     if _raw(trips).dim():
         step, extra = _masked(step, nc), [*extra, trips]
     if checkpoint:
-        g = _segments(loop, step, carry_t, extra, n_t, g_carry)
+        g = _segments(loop, step, carry_t, extra, n_t, g_carry, d_e)
     else:
-        g = _stacked(step, carry_t, extra, _size(n_t), g_carry)
+        g = _stacked(step, carry_t, extra, _size(n_t), g_carry, d_e)
     return g[:nc], g[nc : nc + ne]
 
 
@@ -217,20 +220,29 @@ def _int_carries_as_tensors(body_fn: Fn, carried: list[Any]) -> tuple[list[Any],
     return carry_t, step
 
 
-def _stacked(step: Fn, carried: list[Any], extra: list[Any], n: Any, g_carry: list[Any]) -> list[Any]:
-    """Gradients of ``(*carried, *extra)`` through ``n`` steps: the loop as a scan over
+def _stacked(
+    step: Fn, carried: list[Any], extra: list[Any], n: Any, g_carry: list[Any], d_e: Sequence[int]
+) -> list[Any]:
+    """Gradients of ``(*carried, *extra at d_e)`` through ``n`` steps: the loop as a scan over
     ``arange(n)``, differentiated by scan's own backward (Note [reverse mode of a traced loop])."""
     steps = torch.arange(n, device=_device(carried))
     out_diff = [g is not None for g in g_carry]
+    wanted = [True] * len(carried) + [False] + [i in d_e for i in range(len(extra))]
     g = _scan_derivatives.scan_vjp(
-        scan_op, step, carried, [steps], extra, False, g_carry, out_diff, named=("while_loop", "body_fn")
+        scan_op, step, carried, [steps], extra, False, g_carry, out_diff, named=("while_loop", "body_fn"), wanted=wanted
     )
     nc = len(carried)
     return [*g[:nc], *g[nc + 1 :]]
 
 
 def _segments(
-    loop: HigherOrderOperator, step: Fn, carried: list[Any], extra: list[Any], n_t: _Tensor, g_carry: list[Any]
+    loop: HigherOrderOperator,
+    step: Fn,
+    carried: list[Any],
+    extra: list[Any],
+    n_t: _Tensor,
+    g_carry: list[Any],
+    d_e: Sequence[int],
 ) -> list[Any]:
     """Gradients of ``(*carried, *extra)`` through ``n_t`` steps, keeping the carry before
     every segment of about sqrt(n) steps and replaying one segment at a time (Note
@@ -244,7 +256,7 @@ def _segments(
     sizes = (seg_t, n_t)  # every scan body reads them as inputs, never by closure
     starts = as_tuple(scan_op(_run_segment(loop, step, nc), carried, (segments,), (*extra, *sizes), False))[nc:]
     d_c = [i for i, g in enumerate(g_carry) if g is not None]
-    d_e = [i for i, x in enumerate(extra) if differentiable(x)]
+    d_e = list(d_e)
     init = (*[g_carry[i] for i in d_c], *[torch.zeros_like(extra[i]) for i in d_e])
     body = _segment_vjp(step, nc, d_c, d_e)
     out = as_tuple(scan_op(body, init, (*starts, segments), (*extra, *sizes), True))
@@ -291,8 +303,18 @@ def _segment_vjp(step: Fn, nc: int, d_c: list[int], d_e: list[int]) -> Fn:
         steps = torch.arange(_size(length), device=k.device) + start
         g_full = _transforms.place([None] * nc, d_c, g)
         out_diff = [x is not None for x in g_full]
+        wanted = [True] * nc + [False] + [i in d_e for i in range(len(extra))]
         pulled = _scan_derivatives.scan_vjp(
-            scan_op, step, start_carry, [steps], extra, False, g_full, out_diff, named=("while_loop", "body_fn")
+            scan_op,
+            step,
+            start_carry,
+            [steps],
+            extra,
+            False,
+            g_full,
+            out_diff,
+            named=("while_loop", "body_fn"),
+            wanted=wanted,
         )
         g_extra = pulled[nc + 1 :]
         return (*[pulled[i] for i in d_c], *[s + g_extra[i] for s, i in zip(acc, d_e, strict=True)])
@@ -301,12 +323,18 @@ def _segment_vjp(step: Fn, nc: int, d_c: list[int], d_e: list[int]) -> Fn:
 
 
 def _recompute(
-    loop: HigherOrderOperator, body_fn: Fn, carried: list[Any], extra: list[Any], trips: _Tensor, g_carry: list[Any]
+    loop: HigherOrderOperator,
+    body_fn: Fn,
+    carried: list[Any],
+    extra: list[Any],
+    trips: _Tensor,
+    g_carry: list[Any],
+    d_extra: Sequence[int],
 ) -> tuple[list[Any], list[Any]]:
     """Note [reverse mode of a traced loop], ``recompute``: O(n^2) body runs, constant memory."""
     n, e = len(carried), len(extra)
     d_carry = [i for i, g in enumerate(g_carry) if g is not None]
-    d_extra = [i for i, x in enumerate(extra) if differentiable(x)]
+    d_extra = list(d_extra)
     m = len(d_carry)
 
     def sweep_cond(k: Any, *a: Any) -> Any:

@@ -367,8 +367,18 @@ class _ScanFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         init, xs, additional = _split(saved_operands(ctx), ctx.counts)
         named = (ctx.looping.name, ctx.looping.role)
+        wanted = ctx.needs_input_grad[4:]  # a traced backward computes what it returns, used or not
         grads_in = scan_vjp(
-            ctx.looping.scan, ctx.body, init, xs, additional, ctx.reverse, grads, ctx.out_diff, named=named
+            ctx.looping.scan,
+            ctx.body,
+            init,
+            xs,
+            additional,
+            ctx.reverse,
+            grads,
+            ctx.out_diff,
+            named=named,
+            wanted=wanted,
         )
         return (None, None, None, None, *grads_in)
 

@@ -40,14 +40,21 @@ def scan_vjp(
     out_diff: Sequence[bool],
     *,
     named: tuple[str, str] = ("scan", "the body"),
+    wanted: Sequence[bool] | None = None,
 ) -> list[Any]:
     """Gradients of every operand: a scan in the other direction over the stacked input
     carries (recomputed by a forward scan), ``xs`` and the cotangents of ``ys``; its carry
     is the cotangent of the carry and the running sum of the gradients of the additional inputs.
     ``named``: the operator the user called and its callable, for errors (map, a loop's
-    backward and associative_scan run this too)."""
+    backward and associative_scan run this too). ``wanted``: per operand (init, xs,
+    additional), whether autograd asks for its gradient; the xs and additional inputs it
+    does not ask for get None and cost nothing (the carries' gradients chain the steps,
+    so they are always computed)."""
     nc = len(init)
     dc, dx, da = differentiable_at(init), differentiable_at(xs), differentiable_at(additional)
+    if wanted is not None:
+        dx = [i for i in dx if wanted[nc + i]]
+        da = [i for i in da if wanted[nc + len(xs) + i]]
     dy = [j for j in range(len(grads) - nc) if out_diff[nc + j]]
     carries: tuple[Any, ...] = ()
     if nc:

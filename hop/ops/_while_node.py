@@ -67,6 +67,7 @@ class _LoopFunction(torch.autograd.Function):
             g_carry,
             fixed_sizes=ctx.fixed_sizes,
             checkpoint=ctx.checkpoint,
+            wanted_extra=ctx.needs_input_grad[5 + n :],
         )
         return (None, None, None, None, None, *g_c, *g_e)
 

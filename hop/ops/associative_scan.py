@@ -367,6 +367,7 @@ class _Function(torch.autograd.Function):
             (*zeros, *g_ys),
             diff * 2,
             named=(_NAME, "combine_fn"),
+            wanted=[True] * (2 * nx) + list(ctx.needs_input_grad[3 + nx :]),  # additional inputs autograd asks for
         )
         g_xs = [
             None if gi is None else torch.cat([(gi + g0[0]).unsqueeze(0), gr])

@@ -1,0 +1,96 @@
+"""A traced backward computes only the gradients autograd asks for.
+
+Each operator's reverse mode is an op of its own in a traced or compiled training
+graph, whose subgraphs compute everything they return: a gradient for data that
+needs none (the input batch, a closed-over mask) is work done and thrown away (a
+whole matmul per step in a linear layer's backward). These programs read
+``x @ w`` with ``x`` (3, 4) needing no gradient and ``w`` (4, 5) needing one: the
+gradient of ``x`` would be the only matmul with a (3, 4) result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hop
+
+X_SHAPE = (3, 4)
+
+PROGRAMS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cond": lambda x, xs, w: hop.cond(x.sum() > 0, lambda a: a @ w, lambda a: (a @ w).sin(), (x,)),
+    "switch": lambda x, xs, w: hop.switch((x.sum() > 0).long(), [lambda a: a @ w, lambda a: (a @ w).cos()], (x,)),
+    "scan": lambda x, xs, w: hop.scan(lambda c, xi: (c + (xi @ w).tanh(), c.sum()), torch.zeros(3, 5), xs)[0],
+    "map": lambda x, xs, w: hop.map(lambda xi: (xi @ w).sin(), xs),
+    "while_loop": lambda x, xs, w: hop.while_loop(
+        lambda i, c: i < 3, lambda i, c: (i + 1, c + (x @ w).tanh() * c), (torch.tensor(0), torch.ones(3, 5))
+    )[1],
+    "fori_loop": lambda x, xs, w: hop.fori_loop(0, 3, lambda i, c: c + (x @ w).tanh() * c, torch.ones(3, 5)),
+}
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(X_SHAPE), torch.randn(2, *X_SHAPE), torch.randn(4, 5, requires_grad=True)
+
+
+def _grad_of_w(program: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    def step(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor) -> Any:
+        return torch.autograd.grad(program(x, xs, w).sum(), [w])
+
+    return step
+
+
+def _matmul_results(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
+    shapes = []
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default):
+                shapes.append(tuple(node.meta["val"].shape))
+    return shapes
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_a_compiled_backward_computes_no_gradient_for_data(name: str) -> None:
+    """torch.compile: AOTAutograd's backward graph holds the operator's backward, with
+    the data as graph inputs (the loops' bodies read ``x`` as an additional input)."""
+    program = PROGRAMS[name]
+    x, xs, w = _inputs()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(g: torch.fx.GraphModule, _: Any) -> Any:
+        graphs.append(g)
+        return make_boxed_func(g)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(program, backend=backend, fullgraph=True)
+    (got,) = _grad_of_w(compiled)(x, xs, w)
+    torch.testing.assert_close(got, _grad_of_w(program)(x, xs, w)[0])
+    assert len(graphs) == 2  # forward, backward
+    assert X_SHAPE not in _matmul_results(graphs[1]), f"{name}: the backward computes a gradient nothing needs"
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_data_that_needs_a_gradient_still_gets_one(name: str) -> None:
+    program = PROGRAMS[name]
+    x, xs, w = _inputs()
+    x.requires_grad_(True)
+    xs.requires_grad_(True)
+
+    def step(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor) -> Any:
+        return torch.autograd.grad(program(x, xs, w).sum(), [x, xs, w], allow_unused=True, materialize_grads=True)
+
+    gm = make_fx(step, tracing_mode="fake")(x, xs, w)
+    for got, want in zip(gm(x, xs, w), step(x, xs, w), strict=True):
+        torch.testing.assert_close(got, want)
