@@ -164,6 +164,8 @@ def _unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, layout: Layout, 
     if _tuple_valued(node) and any(u.target is not operator.getitem for u in node.users):
         return False
     length = xs[0].meta["val"].shape[0]
+    if not isinstance(length, int):
+        return False  # a length known at run time only (a loop's backward scans its trip count)
     if length == 0:
         ys = vals[len(init) :]
         if not all(isinstance(y, torch.Tensor) and all(isinstance(d, int) for d in y.shape) for y in ys):

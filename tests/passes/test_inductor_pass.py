@@ -70,3 +70,18 @@ def test_graphs_without_hop_nodes_are_left_alone() -> None:
     before = gm.code
     OPTIMIZE_PASS(gm.graph)
     assert gm.code == before
+
+
+def test_compiled_training_of_a_loop_gets_the_passes() -> None:
+    """A loop's backward is a scan over its trip count, a length known only at run time:
+    the pass leaves it alone (it asked whether that length was 0 and failed the compile)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(3, 3, generator=g) / 2).requires_grad_()
+    x = torch.randn(3, 3, generator=g)
+    k = torch.tensor(0)
+    with config.patch(post_grad_custom_pre_pass=chain(None), fx_graph_cache=False):
+        compiled = torch.compile(model, backend="inductor", fullgraph=True)
+        (got,) = torch.autograd.grad(compiled(x, w, k).sum(), [w])
+    (want,) = torch.autograd.grad(model(x, w, k).sum(), [w])
+    torch.testing.assert_close(got, want)
