@@ -22,6 +22,11 @@ optimize pass, and torch's twin (torch's cond and while_loop), each timed per ca
 (no grad; CPU time of one thread; each in a fresh process, the three taking turns
 for three rounds) and checked against the hop model in eager.
 
+``--models --training`` times a training step instead: the compiled forward and
+backward (``loss.backward()``, parameters requiring grad), its gradients checked
+against the hop model's in eager; a twin that torch cannot differentiate prints
+``n/a``.
+
 ``--warm`` measures warm starts instead: per program, two fresh processes share one
 ``TORCHINDUCTOR_CACHE_DIR`` (caches on) and each times its first compiled call
 (Dynamo, AOTAutograd and Inductor, or the cached code they load); the table has the
@@ -37,6 +42,7 @@ if "--child" not in sys.argv and "--warm" not in sys.argv:  # --model-child comp
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # every first call compiles
 
 import argparse
+import re
 import subprocess
 import tempfile
 import time
@@ -208,8 +214,9 @@ _MODELS = {
 _IMPLS = ("hop", "hop + passes", "torch")
 
 
-def model_child(name: str, impl: str) -> None:
-    """One process of ``--models``: compile one program one way; print its compile s and us per call."""
+def model_child(name: str, impl: str, mode: str = "inference") -> None:
+    """One process of ``--models``: compile one program one way; print its compile s and
+    us per call (per training step with ``mode == "training"``)."""
     from torch._inductor import config
 
     import hop.passes.inductor
@@ -221,37 +228,76 @@ def model_child(name: str, impl: str) -> None:
     m = model if impl != "torch" else twin_type()
     m.load_state_dict(model.state_dict())
     passes = hop.passes.inductor.chain(None) if impl == "hop + passes" else config.post_grad_custom_pre_pass
-    with torch.no_grad(), config.patch(post_grad_custom_pre_pass=passes):
+    with config.patch(post_grad_custom_pre_pass=passes):
         compiled = torch.compile(m, backend="inductor", fullgraph=True)
-        seconds, got = _timed(lambda: compiled(x))
-        torch.testing.assert_close(got, model(x))
-        us = per_call_us(lambda: compiled(x), number=100, repeat=7, timer=time.process_time)
+        if mode == "training":
+            seconds, us = _training(model, m, compiled, x)
+        else:
+            with torch.no_grad():
+                seconds, got = _timed(lambda: compiled(x))
+                torch.testing.assert_close(got, model(x))
+                us = per_call_us(lambda: compiled(x), number=100, repeat=7, timer=time.process_time)
     print(f"{seconds:.2f} {us:.2f}")
 
 
-def models(rounds: int = 3) -> None:
+def _training(model: torch.nn.Module, m: torch.nn.Module, compiled: Fn, x: torch.Tensor) -> tuple[float, float]:
+    """Compile s and us per step of ``compiled(x).sum().backward()``, whose gradients
+    equal the hop model's in eager."""
+
+    def grads(module: torch.nn.Module, fn: Fn) -> list[torch.Tensor]:
+        module.zero_grad(set_to_none=True)
+        fn(x).sum().backward()
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+
+    seconds, got = _timed(lambda: grads(m, compiled))
+    want = grads(model, model)
+    worst = max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+    if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, want, strict=True)):
+        raise AssertionError(f"wrong gradients: {worst:.3g} off eager's")
+    us = per_call_us(lambda: compiled(x).sum().backward(), number=50, repeat=7, timer=time.process_time)
+    return seconds, us
+
+
+def models(rounds: int = 3, mode: str = "inference") -> None:
     """The table of ``--models``: each (program, impl) in a fresh process, the impls
     taking turns for ``rounds`` rounds (run-to-run drift on a shared machine is larger
     than the differences); the best time per call, the median compile time."""
-    header = ["program", "impl", "compile s", "inductor us", "/ torch"]
+    header = ["program", "impl", "compile s", "inductor us" if mode == "inference" else "training step us", "/ torch"]
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for name in _MODELS:
         runs: dict[str, list[tuple[float, float]]] = {impl: [] for impl in _IMPLS}
+        failed: dict[str, str] = {}
         for _ in range(rounds):
             for impl in _IMPLS:
+                if impl in failed:
+                    continue
                 proc = subprocess.run(
-                    [sys.executable, __file__, "--model-child", name, impl], capture_output=True, text=True
+                    [sys.executable, __file__, "--model-child", name, impl, mode], capture_output=True, text=True
                 )
                 if proc.returncode:
-                    raise RuntimeError(f"{name} / {impl}: {proc.stderr.strip()[-2000:]}")
+                    if impl != "torch":
+                        raise RuntimeError(f"{name} / {impl}: {proc.stderr.strip()[-2000:]}")
+                    failed[impl] = f"n/a ({_reason(proc.stderr)})"  # torch's twin cannot
+                    continue
                 compile_s, us = proc.stdout.split()[-2:]
                 runs[impl].append((float(compile_s), float(us)))
-        base = min(us for _, us in runs["torch"])
+        base = min((us for _, us in runs["torch"]), default=None)
         for impl in _IMPLS:
+            if impl in failed:
+                print(" | ".join([name, impl, failed[impl], "", ""]), flush=True)
+                continue
             compile_s = sorted(c for c, _ in runs[impl])[rounds // 2]
             us = min(u for _, u in runs[impl])
-            print(" | ".join([name, impl, f"{compile_s:.1f}", f"{us:.1f}", f"{us / base:.2f}x"]), flush=True)
+            ratio = f"{us / base:.2f}x" if base else "-"
+            print(" | ".join([name, impl, f"{compile_s:.1f}", f"{us:.1f}", ratio]), flush=True)
+
+
+def _reason(stderr: str) -> str:
+    """The exception line of a child's traceback."""
+    lines = stderr.strip().splitlines() or ["?"]
+    found = next((ln for ln in reversed(lines) if re.match(r"^[\w.]+(Error|Exception|Unsupported)\b", ln)), lines[-1])
+    return found[:90]
 
 
 def child(name: str, impl: str) -> None:
@@ -304,9 +350,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip AOTInductor")
     parser.add_argument("--ops", default="", help="comma-separated operators (default: all)")
     parser.add_argument("--models", action="store_true", help="realistic programs: hop, hop + passes, torch")
+    parser.add_argument("--training", action="store_true", help="with --models: a compiled training step")
     parser.add_argument("--warm", action="store_true", help="cold and warm starts from the compile caches")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--model-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--model-child", nargs=3, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     wanted = set(filter(None, opts.ops.split(",")))
     warnings.filterwarnings("ignore")
@@ -317,7 +364,7 @@ def main() -> None:
     if opts.warm:
         return warm(wanted)
     if opts.models:
-        return models()
+        return models(mode="training" if opts.training else "inference")
     torch.compile(lambda t: t + 1, backend="inductor")(torch.ones(2))  # Inductor's one-time start-up
     header = ["op", "impl", "compile s", "inductor us", "aoti build s", "aoti run us", "eager us"]
     print(" | ".join(header))
