@@ -94,3 +94,37 @@ def test_data_that_needs_a_gradient_still_gets_one(name: str) -> None:
     gm = make_fx(step, tracing_mode="fake")(x, xs, w)
     for got, want in zip(gm(x, xs, w), step(x, xs, w), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_a_compiled_associative_scan_backward_computes_no_gradient_for_data() -> None:
+    """associative_scan's combine_fn reads ``s`` (1, 5), data it closes over: its gradient
+    would be the only value of that shape the backward computes."""
+    torch.manual_seed(0)
+    xs, s = torch.randn(6, 3, 5, requires_grad=True), torch.randn(1, 5)
+
+    def program(xs: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return hop.associative_scan(lambda a, b: a + b + s, xs, 0)  # associative: a + b + c + 2s
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(g: torch.fx.GraphModule, _: Any) -> Any:
+        graphs.append(g)
+        return make_boxed_func(g)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(program, backend=backend, fullgraph=True)
+    (got,) = torch.autograd.grad(compiled(xs, s).sum(), [xs])
+    (want,) = torch.autograd.grad(program(xs, s).sum(), [xs])
+    torch.testing.assert_close(got, want)
+    assert len(graphs) == 2  # forward, backward
+    computed = [
+        tuple(node.meta["val"].shape)
+        for module in graphs[1].modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
+    ]
+    assert tuple(s.shape) not in computed, "the backward computes the gradient of s, which nothing needs"
