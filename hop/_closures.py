@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from types import BuiltinFunctionType, CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
@@ -25,37 +26,56 @@ from hop import _observe
 
 __all__ = [
     "GLOBALS_READ",
+    "ATTRIBUTES_READ",
     "INERT_TYPES",
+    "LIBRARY_NAMESPACES",
+    "attributes_read",
     "closure_tensors",
     "convert_closures",
     "globals_read",
+    "held_attributes",
     "is_inert",
+    "is_namespace",
     "with_closure_as_inputs",
 ]
 
 
-# The global names each code object loads, the code nested in it included (lambdas,
-# inner functions, comprehensions): read once per code object, which stays alive as
-# the key (a bounded set: the code of a program, not one entry per call).
+# The global names and the attribute names each code object loads, the code nested in
+# it included (lambdas, inner functions, comprehensions): read once per code object,
+# which stays alive as the key (a bounded set: the code of a program, not one entry
+# per call).
 GLOBALS_READ: dict[CodeType, tuple[str, ...]] = {}
+ATTRIBUTES_READ: dict[CodeType, tuple[str, ...]] = {}
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_ATTRIBUTE_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+
+
+def _names_loaded(code: CodeType, ops: frozenset[str], table: dict[CodeType, tuple[str, ...]]) -> tuple[str, ...]:
+    names = table.get(code)
+    if names is None:
+        found = dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname in ops)
+        for const in code.co_consts:
+            if type(const) is CodeType:
+                found.update(dict.fromkeys(_names_loaded(const, ops, table)))
+        names = table[code] = tuple(found)
+    return names
 
 
 def globals_read(code: CodeType) -> tuple[str, ...]:
     """The names of the globals ``code`` and the code nested in it may read."""
-    names = GLOBALS_READ.get(code)
-    if names is None:
-        found = dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
-        for const in code.co_consts:
-            if type(const) is CodeType:
-                found.update(dict.fromkeys(globals_read(const)))
-        names = GLOBALS_READ[code] = tuple(found)
-    return names
+    return _names_loaded(code, _GLOBAL_OPS, GLOBALS_READ)
+
+
+def attributes_read(code: CodeType) -> tuple[str, ...]:
+    """The attribute names ``code`` and the code nested in it load (``cfg.W``: ``W``)."""
+    return _names_loaded(code, _ATTRIBUTE_OPS, ATTRIBUTES_READ)
 
 
 # Values that can lead to no tensor (Note [untaken branches get zero gradients]): a
 # global or a bound builtin's owner of one of these types is not searched. Python
-# modules count as inert (``torch``, ``math``): a parameter kept as a module
-# attribute is missed, and so is one kept as a class attribute.
+# modules and classes count as inert (``torch``, ``math``) to every search but that
+# of a function's globals and cells, which looks up the attributes its code names
+# (:func:`held_attributes`).
 INERT_TYPES: frozenset[type] = frozenset(
     {type(None), bool, int, float, complex, str, bytes, ModuleType, torch.dtype, torch.device, torch.Size}
 )
@@ -71,6 +91,54 @@ def is_inert(value: Any) -> bool:
         owner = value.__self__
         return type(owner) in INERT_TYPES or isinstance(owner, type)
     return False
+
+
+# Modules and classes of libraries, which keep no user's parameter: their attributes are
+# never searched. A set of the objects met so far (a bounded set: what is imported);
+# the C fast path reads it too (hop/_fastpath.c, still_plain).
+LIBRARY_NAMESPACES: set[Any] = set()
+_LIBRARIES = frozenset({"torch", "hop", "numpy", "builtins", "typing", "functools", "operator"}) | frozenset(
+    sys.stdlib_module_names
+)
+_NO_VALUE = object()
+_NAMESPACES = (ModuleType, type)
+
+
+def is_namespace(value: Any) -> bool:
+    """Whether ``value`` is a module or a class that is not a library's: a parameter
+    may be kept as its attribute (``config.W``, ``Shared.W``)."""
+    if not isinstance(value, _NAMESPACES) or value in LIBRARY_NAMESPACES:
+        return False
+    name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
+    if isinstance(name, str) and name.partition(".")[0] in _LIBRARIES:
+        LIBRARY_NAMESPACES.add(value)
+        return False
+    return True
+
+
+def held_attributes(owner: Any, names: Sequence[str], depth: int = 3) -> list[Any]:
+    """The values the namespace ``owner`` (:func:`is_namespace`) holds under ``names``
+    (the attributes a function's code loads) that may lead to a tensor: tensors,
+    modules, containers and other plain objects; found in the namespaces held so too
+    (``config.sub.W``), ``depth`` levels deep. A class's attributes are looked up
+    along its MRO, without running descriptors. Functions, descriptors and inert
+    values are not followed: a function kept in a module is not searched."""
+    found: list[Any] = []
+    for name in names:
+        if isinstance(owner, ModuleType):
+            value = vars(owner).get(name, _NO_VALUE)
+        else:
+            value = next((k.__dict__[name] for k in owner.__mro__ if name in k.__dict__), _NO_VALUE)
+        if value is _NO_VALUE:
+            continue
+        if is_namespace(value):
+            if depth > 1:
+                found.extend(held_attributes(value, names, depth - 1))
+        elif isinstance(value, torch.nn.Module) or not (
+            is_inert(value) or callable(value) or hasattr(type(value), "__get__")
+        ):
+            found.append(value)
+    return found
 
 
 def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]:
@@ -100,12 +168,19 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
                 if v is not None:
                     found.setdefault(id(v), v)
         elif isinstance(obj, FunctionType):
+            code = obj.__code__
             for cell in obj.__closure__ or ():
                 with contextlib.suppress(ValueError):  # an empty cell
-                    visit(cell.cell_contents, level + 1)
-            for name in globals_read(obj.__code__):
+                    value = cell.cell_contents
+                    if isinstance(value, _NAMESPACES):
+                        visit_namespace(value, code, level + 1)
+                    else:
+                        visit(value, level + 1)
+            for name in globals_read(code):
                 value = obj.__globals__.get(name)
-                if not is_inert(value):
+                if isinstance(value, _NAMESPACES):
+                    visit_namespace(value, code, level + 1)
+                elif not is_inert(value):
                     visit(value, level + 1)
             for value in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
                 visit(value, level + 1)  # captured as a default: lambda a, w=w: a @ w
@@ -126,6 +201,13 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
         elif not is_inert(obj) and isinstance(getattr(obj, "__dict__", None), dict):
             for v in list(vars(obj).values())[:64]:  # a namespace or config object holding parameters
                 visit(v, level + 1)
+
+    def visit_namespace(value: Any, code: CodeType, level: int) -> None:
+        """A module or class a function's code reads by name: searched for the
+        attributes that code loads only."""
+        if is_namespace(value):
+            for v in held_attributes(value, attributes_read(code)):
+                visit(v, level)
 
     for fn in fns:
         visit(fn, 0)

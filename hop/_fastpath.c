@@ -22,8 +22,10 @@ of output kinds; usual: one of them (None if there is none), compared first with
 building a tuple; names: per branch the globals its code loads (None for a
 builtin); key: the verdict's key. Whether a branch can read a tensor but its
 argument is decided again on every call that needs it, from each function's
-defaults and the current values of those globals (hop._closures.is_inert): the
-entry holds no value that could change.
+defaults and the current values of those globals (hop._closures.is_inert; a
+module or class that Python has not found to be a library's sends the call to
+Python, which searches the attributes the code names): the entry holds no value
+that could change.
 
 Threads: reading the selector may release the GIL, and another thread may then
 empty the cache; so the selector is read first, and an entry is held by a strong
@@ -52,6 +54,7 @@ static PyObject *functorch_level;/* torch._C._functorch.maybe_current_level */
 static PyObject *tf_mode;        /* torch._C._is_torch_function_mode_enabled */
 static PyObject *grad_enabled;   /* torch.is_grad_enabled */
 static PyObject *inert_types;    /* hop._closures.INERT_TYPES (a frozenset) */
+static PyObject *library_namespaces; /* hop._closures.LIBRARY_NAMESPACES (a set, Python fills it) */
 static PyObject *accumulate_grad;/* the type of a leaf's AccumulateGrad node */
 static PyObject *s_dtype, *s_ndim, *s_get_device, *s_requires_grad, *s_is_view, *s_validate, *s_active;
 static PyObject *s_grad_fn, *s_next_functions, *s_variable;
@@ -288,6 +291,10 @@ still_plain(PyObject *e, PyObject *const *fns, Py_ssize_t n)
                 return -1;
             if (v != NULL && !is_inert(v))
                 return 0;
+            /* a module or class not known as a library's may hold a parameter under an
+               attribute the code names (hop._closures.held_attributes): Python decides */
+            if (v != NULL && (PyModule_Check(v) || PyType_Check(v)) && PySet_Contains(library_namespaces, v) <= 0)
+                return PyErr_Occurred() ? -1 : 0;
         }
     }
     return 1;
@@ -527,12 +534,13 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
     static char *names[] = {"entry_fields", "tensor",         "not_taken",            "config",  "reference",
                             "sinks",        "index_dtypes",   "inert_types",     "cond_cache",
                             "switch_cache", "mode_stack_len", "functorch_level", "tf_mode", "grad_enabled",
-                            "accumulate_grad", NULL};
-    PyObject *v[14], *fields;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OO!O!O!O!O!O!O!OOOOO!", names, &PyTuple_Type, &fields,
+                            "accumulate_grad", "library_namespaces", NULL};
+    PyObject *v[15], *fields;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OO!O!O!O!O!O!O!OOOOO!O!", names, &PyTuple_Type, &fields,
                                      &PyType_Type, &v[0], &v[1], &PyDict_Type, &v[2], &PyDict_Type, &v[3],
                                      &PyList_Type, &v[4], &PySet_Type, &v[5], &PyFrozenSet_Type, &v[6], &PyDict_Type,
-                                     &v[7], &PyDict_Type, &v[8], &v[9], &v[10], &v[11], &v[12], &PyType_Type, &v[13]))
+                                     &v[7], &PyDict_Type, &v[8], &v[9], &v[10], &v[11], &v[12], &PyType_Type, &v[13],
+                                     &PySet_Type, &v[14]))
         return NULL;
     /* the entry's layout is Python's: refuse to run on another */
     int same = PyTuple_GET_SIZE(fields) == E_SIZE;
@@ -549,8 +557,8 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     PyObject **slots[] = {&Tensor,         &NOT_TAKEN,         &config,   &reference,    &sinks,
                           &index_dtypes,   &inert_types,  &cond_cache, &switch_cache, &mode_stack_len,
-                          &functorch_level, &tf_mode,     &grad_enabled, &accumulate_grad};
-    for (int j = 0; j < 14; j++)
+                          &functorch_level, &tf_mode,     &grad_enabled, &accumulate_grad, &library_namespaces};
+    for (int j = 0; j < 15; j++)
         Py_XSETREF(*slots[j], Py_NewRef(v[j]));
     Py_RETURN_NONE;
 }

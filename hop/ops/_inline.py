@@ -271,6 +271,7 @@ def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., 
         tf_mode=tf_mode_enabled,
         grad_enabled=_grad_enabled,
         accumulate_grad=_AccumulateGrad,
+        library_namespaces=_closures.LIBRARY_NAMESPACES,
     )
     return _fastpath.cond, _fastpath.switch, _fastpath.key
 

@@ -34,8 +34,10 @@ The closure search is static: every parameter of a module a branch closes over
 (e.g. ``self``) gets a zero, even one neither branch uses. It follows cells,
 defaults, bound owners (``self``, the tensor of ``w.mul``), partials, containers
 and objects' attributes, and every global that is not inert (``_closures.is_inert``:
-numbers, strings, Python modules, classes); a parameter kept as an attribute of
-a Python module or of a class is not found. A traced call (a
+numbers, strings, Python modules, classes). Of a module or a class a function
+reads (not a library's: ``torch``, ``math``), the attributes its code names are
+searched (``config.W``, ``Shared.W``, ``config.sub.W``), but not the functions kept
+there. A traced call (a
 selector that cannot be read) needs none of this: its node's backward is the vjp
 of each branch with respect to every operand and converted closure tensor, and
 ``torch.func.vjp`` fills zeros for the inputs a branch does not use. Inside
@@ -66,6 +68,8 @@ _DENSE = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 _Builtin = BuiltinFunctionType  # torch.tanh and the like: C functions
 _is_inert = _closures.is_inert
+_is_namespace = _closures.is_namespace
+_held_attributes = _closures.held_attributes
 _GLOBALS_READ = _closures.GLOBALS_READ
 _tracing_state: Callable[[], Any] = torch._C._get_tracing_state
 _interpreter_stack: Callable[[], Any] = torch._C._functorch.get_interpreter_stack
@@ -102,7 +106,8 @@ def close_over_nothing(branches: Sequence[Callable[..., Any]]) -> bool:
 def reads_nothing(fn: Callable[..., Any]) -> bool:
     """For a builtin or a function without closure cells: whether it has no defaults
     and reads no global that could lead to a tensor (``_closures.is_inert``: a
-    number, a string, a Python module, a class...), so no tensor it reads (but its
+    number, a string, a library's module or class, a module or class holding nothing
+    under the attribute names its code loads), so no tensor it reads (but its
     arguments) can require grad. On every eager call with grad enabled."""
     if type(fn) is not _Function:
         return type(fn) is _Builtin and _is_inert(fn)
@@ -115,8 +120,11 @@ def reads_nothing(fn: Callable[..., Any]) -> bool:
     if names:
         g = fn.__globals__
         for name in names:  # mostly `torch`
-            if not _is_inert(g.get(name)):
+            v = g.get(name)
+            if not _is_inert(v):
                 return False
+            if _is_namespace(v) and _held_attributes(v, _closures.attributes_read(code)):
+                return False  # a parameter kept as a module's or a class's attribute
     return True
 
 
