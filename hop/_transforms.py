@@ -322,13 +322,74 @@ def torch_ops_without_rules(op: str, role: str) -> Iterator[None]:
         raise HopRuntimeError(format_message(op, what, fix=fix), op=op, role=role) from e
 
 
+# Note [a jvp inside an active dual level]
+# torch.func.jvp enters forward AD's dual level only when it is the outermost jvp,
+# which it reads from Python globals (eager_transforms.JVP_NESTING and
+# forward_ad._current_level) that torch.func.jvp's own frames maintain. An operator's
+# jvp runs the branches' or body's jvp while its caller's jvp is active; under
+# torch.compile the caller's jvp is a replayed graph that entered the level through
+# torch._C, leaving the globals at "none", and so does a user's
+# forward_ad.dual_level() around a traced call: the nested torch.func.jvp would enter
+# a second level ("Nested forward mode AD is not supported"). Where a level is active
+# but the globals say none, they are set for the inner jvp to use that level (0,
+# the only one torch supports), and restored after.
+
+
+@contextmanager
+def _within_an_active_dual_level() -> Iterator[None]:
+    import torch._functorch.eager_transforms as eager_transforms
+    import torch.autograd.forward_ad as forward_ad
+
+    nesting, current = getattr(eager_transforms, "JVP_NESTING", None), getattr(forward_ad, "_current_level", None)
+    if not isinstance(nesting, int) or not isinstance(current, int) or nesting > 0:
+        yield  # torch.func.jvp's frames are active: they nest by themselves (or another torch)
+        return
+    active = current >= 0
+    if not active:
+        try:  # a probe: torch._C raises where a level is already active
+            level = torch._C._enter_dual_level()
+        except RuntimeError:
+            active = True
+        else:
+            torch._C._exit_dual_level(level=level)
+    if not active:
+        yield
+        return
+    saved = eager_transforms.JVP_NESTING, forward_ad._current_level
+    eager_transforms.JVP_NESTING, forward_ad._current_level = saved[0] + 1, 0
+    try:
+        yield
+    finally:
+        eager_transforms.JVP_NESTING, forward_ad._current_level = saved
+
+
 def jvp(fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
-    """``torch.func.jvp``, with every output tangent in its output's dtype (torch gives
-    ``x * 0.5`` on a 0-dim float32 ``x`` a float64 tangent, which would make branches
-    or iterations disagree)."""
-    out, t_out = torch.func.jvp(fn, tuple(primals), tuple(tangents))[:2]
-    cast = tuple(
-        t.to(o.dtype) if isinstance(t, torch.Tensor) and isinstance(o, torch.Tensor) and t.dtype != o.dtype else t
-        for o, t in zip(out, t_out, strict=True)
-    )
-    return out, cast
+    """``torch.func.jvp`` of ``fn`` returning a tuple, with every output tangent in its
+    output's dtype (torch gives ``x * 0.5`` on a 0-dim float32 ``x`` a float64 tangent,
+    which would make branches or iterations disagree). An output that is not a tensor (a
+    branch's int, a counted loop's int counter), which torch.func.jvp refuses, is
+    returned as it is, its tangent None."""
+    others: dict[int, Any] = {}
+    count = [0]
+
+    def tensors_only(*args: Any) -> tuple[Any, ...]:
+        out = tuple(fn(*args))
+        count[0] = len(out)
+        others.clear()
+        others.update((i, o) for i, o in enumerate(out) if not isinstance(o, torch.Tensor))
+        return tuple(o for o in out if isinstance(o, torch.Tensor))
+
+    with _within_an_active_dual_level():
+        t_outs, t_tans = torch.func.jvp(tensors_only, tuple(primals), tuple(tangents))[:2]
+    tensors, tans = iter(t_outs), iter(t_tans)
+    out: list[Any] = []
+    cast: list[Any] = []
+    for i in range(count[0]):
+        if i in others:
+            out.append(others[i])
+            cast.append(None)
+            continue
+        o, t = next(tensors), next(tans)
+        out.append(o)
+        cast.append(t.to(o.dtype) if isinstance(t, torch.Tensor) and t.dtype != o.dtype else t)
+    return tuple(out), tuple(cast)

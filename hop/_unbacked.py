@@ -57,7 +57,23 @@ __all__ = [
     "rebind_sizes",
     "fresh_symint",
     "trial_run",
+    "unrecorded_symbols",
 ]
+
+
+def unrecorded_symbols(values: Sequence[Any]) -> Any:
+    """Where fake tensors run with no tracer recording them (Dynamo computing the
+    metadata of a node that runs a derivative, such as torch.func.grad's autograd.grad
+    or torch.func.jvp), an unbacked symbol the derivative makes and does not return
+    (a loop's trip count, an int a branch returns, whose tangent is None) is internal
+    to that node: no output can bind it, so it is made as one the ShapeEnv does not
+    expect to see in the node's outputs. A tracer records its own nodes, which bind it."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    fake_mode = torch._guards.detect_fake_mode(list(values))
+    if fake_mode is None or fake_mode.shape_env is None or get_proxy_mode() is not None:
+        return nullcontext()
+    return fake_mode.shape_env.ignore_fresh_unbacked_symbols()
 
 
 @contextmanager

@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hop import _closures, _effects, _lifting, _observe, _output_checks, _pytree, _transforms
-from hop._unbacked import Unifier, dense_order
+from hop._unbacked import Unifier, dense_order, unrecorded_symbols
 from hop.errors import HopValueError, format_message
 from hop.ops._branching import Branching, Fn, as_tuple, no_alias, same_form
 from hop.ops._common import (
@@ -94,21 +94,23 @@ def autograd(branching: Branching, sel: Any, branches: Sequence[Fn], operands: S
     return _as_node(branching, sel, branches, operands)
 
 
-def _vjp_branch(fn: Fn, diff: Sequence[int], n: int, name: str) -> Fn:
-    """``(*operands, *cotangents) -> grads of the operands at positions diff``."""
+def _vjp_branch(fn: Fn, diff: Sequence[int], present: Sequence[int], n: int, name: str) -> Fn:
+    """``(*operands, *cotangents of the outputs at positions present) -> grads of the
+    operands at positions diff``."""
+    slot = {j: k for k, j in enumerate(present)}
 
     def vjp_branch(*args: Any) -> Any:
-        primals, cts = list(args[:n]), args[n:]
-        kept: list[int] = []  # the differentiable outputs: vjp refuses integer ones
+        primals, given = list(args[:n]), args[n:]
+        kept: list[int] = []  # the differentiable outputs with a cotangent: vjp refuses integer ones
 
         def on_diff(*d: Any) -> Any:
             out = as_tuple(fn(*_transforms.place(primals, diff, d)))
-            kept[:] = [i for i, o in enumerate(out) if differentiable(o)]
+            kept[:] = [i for i, o in enumerate(out) if differentiable(o) and i in slot]
             return tuple(out[i] for i in kept) or (torch.zeros(()),)
 
         with _transforms.torch_ops_without_rules(name, "a branch"):
             out, vjp_fn = torch.func.vjp(on_diff, *[primals[i] for i in diff])[:2]
-            cts = tuple(cts[i] for i in kept) or (None,)
+            cts = tuple(given[slot[i]] for i in kept) or (None,)
             grads = vjp_fn(tuple(ct if ct is not None else torch.zeros_like(o) for o, ct in zip(out, cts, strict=True)))
         return grads[0] if len(grads) == 1 else tuple(grads)
 
@@ -116,9 +118,9 @@ def _vjp_branch(fn: Fn, diff: Sequence[int], n: int, name: str) -> Fn:
     return vjp_branch
 
 
-def _jvp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
-    """``(*operands, *tangents of the differentiable operands) -> (*outputs, *output tangents)``."""
-    diff = [i for i, x in enumerate(operands) if differentiable(x)]
+def _jvp_branch(fn: Fn, diff: Sequence[int], n: int) -> Fn:
+    """``(*operands, *tangents of the operands at positions diff) -> (*outputs, *tangents
+    of the tensor outputs)``: an int output has no tangent."""
 
     def jvp_branch(*args: Any) -> Any:
         primals, tangents = list(args[:n]), args[n:]
@@ -127,7 +129,7 @@ def _jvp_branch(fn: Fn, operands: Sequence[Any], n: int) -> Fn:
             return as_tuple(fn(*_transforms.place(primals, diff, d)))
 
         out, tout = _transforms.jvp(on_diff, [primals[i] for i in diff], tangents)
-        return (*out, *tout)
+        return (*out, *[t for o, t in zip(out, tout, strict=True) if isinstance(o, torch.Tensor)])
 
     jvp_branch.__qualname__ = f"jvp_{getattr(fn, '__qualname__', 'branch')}"
     return jvp_branch
@@ -147,6 +149,10 @@ class _BranchFunction(torch.autograd.Function):
         branching, sel, branches, *operands = inputs
         ctx.branching, ctx.branches, ctx.n = branching, branches, len(operands)
         ctx.single = not isinstance(output, tuple)
+        ctx.tensor_out = [isinstance(o, torch.Tensor) for o in as_tuple(output)]
+        # None, not zeros, for an output without a cotangent and an operand without a
+        # tangent: the derivatives leave them out rather than compute with zeros
+        ctx.set_materialize_grads(False)
         save_operands(ctx, (sel, *operands))
 
     @staticmethod
@@ -162,22 +168,25 @@ class _BranchFunction(torch.autograd.Function):
         diff = [i for i, x in enumerate(operands) if differentiable(x) and ctx.needs_input_grad[3 + i]]
         if not diff:
             return (None,) * (3 + ctx.n)
-        bw = [_vjp_branch(fn, diff, ctx.n, ctx.branching.name) for fn in ctx.branches]
-        out = as_tuple(ctx.branching.call(sel, bw, (*operands, *grads)))
+        present = [j for j, g in enumerate(grads) if g is not None]
+        bw = [_vjp_branch(fn, diff, present, ctx.n, ctx.branching.name) for fn in ctx.branches]
+        out = as_tuple(ctx.branching.call(sel, bw, (*operands, *[grads[j] for j in present])))
         by_position = dict(zip(diff, out, strict=True))
         return (None, None, None, *[by_position.get(i) for i in range(ctx.n)])
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         sel, operands = _BranchFunction._inputs(ctx)
-        diff_t = [
-            torch.zeros_like(x) if t is None else t
-            for x, t in zip(operands, tangents[3:], strict=True)
-            if differentiable(x)
-        ]
-        fw = [_jvp_branch(fn, operands, ctx.n) for fn in ctx.branches]
-        out = as_tuple(ctx.branching.call(sel, fw, (*operands, *diff_t)))
-        touts = out[len(out) // 2 :]
+        # only the operands that carry a tangent: a zero tangent is work a traced jvp
+        # would do and add nothing with (the data, with respect to the weights)
+        at = [i for i, x in enumerate(operands) if differentiable(x)]
+        diff = [i for i in at if tangents[3 + i] is not None] or at[:1]
+        diff_t = [torch.zeros_like(operands[i]) if tangents[3 + i] is None else tangents[3 + i] for i in diff]
+        fw = [_jvp_branch(fn, diff, ctx.n) for fn in ctx.branches]
+        with unrecorded_symbols(diff_t):  # an int output, unified again, has no tangent
+            out = as_tuple(ctx.branching.call(sel, fw, (*operands, *diff_t)))
+        given = iter(out[len(ctx.tensor_out) :])
+        touts = [next(given) if is_tensor else None for is_tensor in ctx.tensor_out]
         return touts[0] if ctx.single else tuple(touts)
 
 

@@ -32,7 +32,6 @@ under torch.func they live at a level the loops' bodies run below.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
 from hop import _transforms
 from hop._operator import HigherOrderOperator
+from hop._unbacked import unrecorded_symbols
 from hop.errors import HopRuntimeError, format_message
 from hop.ops import _scan_derivatives
 from hop.ops._branching import as_tuple
@@ -173,22 +173,10 @@ def _longest(trips: _Tensor) -> _Tensor:
 
 def _size(count: _Tensor) -> Any:
     """A count tensor as an int (an unbacked SymInt when traced)."""
-    with _unrecorded_symbols(count):
+    with unrecorded_symbols([count]):
         n = count.item()
     _check(n >= 0)  # a count: arange(n) may be empty, never negative
     return n
-
-
-def _unrecorded_symbols(value: _Tensor) -> Any:
-    """Where fake tensors run with no tracer recording them (Dynamo computing the metadata
-    of a node that runs this backward, such as torch.func.grad's autograd.grad), the
-    count's unbacked symbol is internal to that node and no output can bind it: it is
-    created as one the ShapeEnv does not expect to see in the node's outputs. A tracer
-    records ``.item()`` as a node of its own, which binds the symbol."""
-    fake_mode = torch._guards.detect_fake_mode([value])
-    if fake_mode is None or fake_mode.shape_env is None or get_proxy_mode() is not None:
-        return contextlib.nullcontext()
-    return fake_mode.shape_env.ignore_fresh_unbacked_symbols()
 
 
 def _masked(step: Fn, nc: int) -> Fn:

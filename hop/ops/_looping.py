@@ -361,6 +361,7 @@ class _ScanFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.looping, ctx.body, ctx.reverse, ctx.counts, *operands = inputs
         ctx.out_diff = [differentiable(o) for o in as_tuple(output)]
+        ctx.set_materialize_grads(False)  # None, not zeros: the derivatives leave them out
         save_operands(ctx, operands)
 
     @staticmethod

@@ -55,12 +55,12 @@ def scan_vjp(
     if wanted is not None:
         dx = [i for i in dx if wanted[nc + i]]
         da = [i for i in da if wanted[nc + len(xs) + i]]
-    dy = [j for j in range(len(grads) - nc) if out_diff[nc + j]]
+    dy = [j for j in range(len(grads) - nc) if out_diff[nc + j] and grads[nc + j] is not None]
     carries: tuple[Any, ...] = ()
     if nc:
         carries = as_tuple(scan_op(_carries_body(body, nc), init, xs, additional, reverse))[nc:]
     step = _vjp_body(body, (nc, len(xs), len(additional)), dc, dx, da, dy, named)
-    g_carry = [grads[i] for i in dc]
+    g_carry = [torch.zeros_like(init[i]) if grads[i] is None else grads[i] for i in dc]  # a carry keeps its shape
     g_ys = [grads[nc + j] for j in dy]
     zeros = [torch.zeros_like(additional[i]) for i in da]
     out = as_tuple(scan_op(step, (*g_carry, *zeros), (*carries, *xs, *g_ys), additional, not reverse))
@@ -123,7 +123,11 @@ def scan_jvp(
 ) -> Any:
     """Output tangents: the op again on the body's jvp, carrying ``(carry, carry tangent)``."""
     nc, nx, na = len(init), len(xs), len(additional)
-    dc, dx, da = differentiable_at(init), differentiable_at(xs), differentiable_at(additional)
+    # every differentiable carry (its tangent chains the steps), but only the xs and
+    # additional inputs that carry a tangent: a zero one is work with no effect
+    dc = differentiable_at(init)
+    dx = [i for i in differentiable_at(xs) if tangents[nc + i] is not None]
+    da = [i for i in differentiable_at(additional) if tangents[nc + nx + i] is not None]
     dy = [j for j in range(len(out_diff) - nc) if out_diff[nc + j]]
     values = [*init, *xs, *additional]
 

@@ -16,6 +16,7 @@ import torch
 
 from hop import _transforms
 from hop import subgraph as _subgraph
+from hop._unbacked import unrecorded_symbols
 from hop.ops import _loop_reverse
 from hop.ops._branching import as_tuple
 from hop.ops._common import differentiable, save_operands, saved_operands
@@ -41,6 +42,7 @@ class _LoopFunction(torch.autograd.Function):
         ctx.op, ctx.cond_fn, ctx.body_fn, ctx.n, ctx.checkpoint = inputs[:5]
         ctx.args = inputs[5:]
         ctx.mark_non_differentiable(output[0])
+        ctx.set_materialize_grads(False)  # None, not zeros: the derivatives leave them out
         ctx.final_shapes = [o.shape if isinstance(o, torch.Tensor) else None for o in output[1:]]
         # a size the body changes is a fresh unbacked one in the fake rule's final carry
         ctx.fixed_sizes = all(
@@ -77,11 +79,10 @@ class _LoopFunction(torch.autograd.Function):
         carried, extra = args[:n], args[n:]
         diff = [i for i, x in enumerate(carried) if differentiable(x)]
         t_carry = [torch.zeros_like(carried[i]) if tangents[5 + i] is None else tangents[5 + i] for i in diff]
-        t_extra = [
-            torch.zeros_like(x) if t is None else t
-            for x, t in zip(extra, tangents[5 + n :], strict=True)
-            if differentiable(x)
-        ]
+        # every differentiable carry (its tangent chains the trips), but only the
+        # extra inputs that carry a tangent: a zero one is work with no effect
+        d_extra = [i for i, x in enumerate(extra) if differentiable(x) and tangents[5 + n + i] is not None]
+        t_extra = [tangents[5 + n + i] for i in d_extra]
         cond_fn, body_fn = ctx.cond_fn, ctx.body_fn
         k = len(diff)
 
@@ -90,7 +91,6 @@ class _LoopFunction(torch.autograd.Function):
 
         def jvp_body(*a: Any) -> tuple[Any, ...]:
             primal, tan, ex, ex_t = a[:n], a[n : n + k], a[n + k : n + k + len(extra)], a[n + k + len(extra) :]
-            d_extra = [i for i, x in enumerate(ex) if differentiable(x)]
 
             def on_diff(*d: Any) -> tuple[Any, ...]:
                 full, ext = list(primal), list(ex)
@@ -105,7 +105,8 @@ class _LoopFunction(torch.autograd.Function):
             )
             return (*out, *[t_out[i] for i in diff])
 
-        res = as_tuple(ctx.op(jvp_cond, jvp_body, (*carried, *t_carry), (*extra, *t_extra)))
+        with unrecorded_symbols([*t_carry, *t_extra]):  # an int carry, counted again, has no tangent
+            res = as_tuple(ctx.op(jvp_cond, jvp_body, (*carried, *t_carry), (*extra, *t_extra)))
         t_full = [torch.zeros_like(x) if differentiable(x) else None for x in res[:n]]
         for j, i in enumerate(diff):
             t_full[i] = res[n + j]

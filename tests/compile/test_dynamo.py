@@ -479,6 +479,38 @@ def test_compiled_vmap_of_func_grad_of_a_loop(loss: Fn) -> None:
     assert_close(compiled(per_row, "aot_eager")(X), per_row(X))
 
 
+# torch.func.jvp taken inside the compiled function: Dynamo's graph enters forward AD's
+# dual level through torch._C, and each operator's jvp runs a jvp of its callables
+# inside it (Note [a jvp inside an active dual level]); an int output or counter is
+# made again by that jvp and has no tangent (nothing binds its unbacked symbol).
+_W = torch.tensor([[0.5, -1.0], [0.25, 0.75], [1.0, 0.5]])
+JVP_PROGRAMS: dict[str, Fn] = {
+    "cond": lambda x, w: hop.cond(x.sum() > 0, lambda a: a @ w, lambda a: (a @ w).sin(), (x,)),
+    "cond, an int output": lambda x, w: hop.cond(x.sum() > 0, lambda a: (a @ w, 1), lambda a: (a @ w, 2), (x,))[0],
+    "switch": lambda x, w: hop.switch((x.sum() > 0).long(), [lambda a: a @ w, lambda a: (a @ w).cos()], (x,)),
+    "while_loop": lambda x, w: hop.while_loop(
+        lambda i, c: i < 3, lambda i, c: (i + 1, c + (x @ w).tanh() * c), (torch.tensor(0), torch.ones(4, 2))
+    )[1],
+    "fori_loop": lambda x, w: hop.fori_loop(0, 3, lambda i, c: c + (x @ w).tanh() * c * i, torch.ones(4, 2)),
+    "scan": lambda x, w: hop.scan(lambda c, xi: (c + (xi @ w).tanh(), c.sum()), torch.zeros(2), x)[0],
+    "map": lambda x, w: hop.map(lambda xi: (xi @ w).sin(), x),
+    "associative_scan": lambda x, w: hop.associative_scan(lambda a, b: a + b + w.sum(), x, 0),  # associative
+}
+
+
+@pytest.mark.parametrize("name", list(JVP_PROGRAMS))
+def test_compiled_func_jvp(name: str) -> None:
+    program, t = JVP_PROGRAMS[name], torch.ones_like(_W)
+
+    def tangent(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Any:
+        return torch.func.jvp(lambda w: program(x, w), (w,), (t,))
+
+    for x in (X, -X):
+        assert_close(compiled(tangent, "aot_eager")(x, _W, t), tangent(x, _W, t))
+    # nothing of forward AD is left behind: an eager jvp still works
+    assert_close(tangent(X, _W, t), torch.func.jvp(lambda w: program(X, w), (_W,), (t,)))
+
+
 @pytest.mark.parametrize("loss", [int_counted_loss, int_fori_loss], ids=lambda f: f.__name__)
 def test_vmap_of_a_loop_with_int_carries_breaks_the_graph(loss: Fn) -> None:
     # a traced loop under vmap carries tensors only: hop's error, not Dynamo's wrapper of it

@@ -486,6 +486,25 @@ def test_jvp(program: Any) -> None:
     check_jvp(fn, ref, inputs)
 
 
+@pytest.mark.parametrize("mode", ["fake", "symbolic"])
+def test_traced_jvp_of_branches_returning_an_int(mode: str) -> None:
+    """torch.func.jvp refuses a function returning an int: the branches' jvp leaves the
+    int out and gives it no tangent."""
+    x, w, t = torch.randn(3, 4), torch.randn(4, 5), torch.randn(4, 5)
+
+    def tangent(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Any:
+        def f(w: torch.Tensor) -> torch.Tensor:
+            out, k = hop.cond(x.sum() > 0, lambda a: (a @ w, 1), lambda a: ((a @ w).sin(), 2), (x,))
+            return out * k
+
+        return torch.func.jvp(f, (w,), (t,))
+
+    gm = make_fx(tangent, tracing_mode=mode)(x, w, t)
+    for sign in (1, -1):
+        got, want = gm(sign * x, w, t), tangent(sign * x, w, t)
+        torch.testing.assert_close(got, want)
+
+
 def test_jvp_wrt_a_closure_inside_vmap_with_a_batched_pred() -> None:
     # the jvp transform tracks w, which the branches only close over
     w, t = torch.randn(3), torch.randn(3)

@@ -1,4 +1,5 @@
-"""A traced backward computes only the gradients autograd asks for.
+"""A traced backward computes only the gradients autograd asks for; a traced jvp only
+the tangents it is given.
 
 Each operator's reverse mode is an op of its own in a traced or compiled training
 graph, whose subgraphs compute everything they return: a gradient for data that
@@ -128,3 +129,69 @@ def test_a_compiled_associative_scan_backward_computes_no_gradient_for_data() ->
         if node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
     ]
     assert tuple(s.shape) not in computed, "the backward computes the gradient of s, which nothing needs"
+
+
+# --- forward mode: the tangents that exist, not zeros ---------------------------------------------
+# torch.func.jvp with respect to ``w`` only: ``x`` (and ``xs``) have no tangent. Were
+# they given a zero one, the traced program would build a zeros tensor of their shape
+# and pass it into the operator's jvp, whose subgraphs would compute with it.
+
+_JVP_PROGRAMS = [name for name in PROGRAMS if name not in ("while_loop", "fori_loop")]  # loops: x is no input
+
+
+@pytest.mark.parametrize("name", _JVP_PROGRAMS)
+def test_a_traced_jvp_builds_no_zero_tangent_for_data(name: str) -> None:
+    program = PROGRAMS[name]
+    x, xs, w = _inputs()
+    w = w.detach()
+
+    def tangent_of_w(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Any:
+        return torch.func.jvp(lambda w: program(x, xs, w), (w,), (t,))
+
+    t = torch.randn_like(w)
+    gm = make_fx(tangent_of_w, tracing_mode="fake")(x, xs, w, t)
+    for got, want in zip(gm(x, xs, w, t), tangent_of_w(x, xs, w, t), strict=True):
+        torch.testing.assert_close(got, want)
+    zeros = [
+        tuple(node.meta["val"].shape)
+        for node in gm.graph.nodes
+        if node.op == "call_function" and "zero" in str(node.target)
+    ]
+    assert X_SHAPE not in zeros and tuple(xs.shape) not in zeros, f"{name}: a zero tangent for data: {zeros}"
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_a_traced_jvp_with_respect_to_data_and_weights(name: str) -> None:
+    """Tangents for some operands and not others, in both orders of appearance."""
+    program = PROGRAMS[name]
+    x, xs, w = _inputs()
+    w = w.detach()
+
+    def tangents(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, tx: torch.Tensor, tw: torch.Tensor) -> Any:
+        return torch.func.jvp(lambda x, w: program(x, xs, w), (x, w), (tx, tw))
+
+    args = (x, xs, w, torch.randn_like(x), torch.randn_like(w))
+    gm = make_fx(tangents, tracing_mode="fake")(*args)
+    for got, want in zip(gm(*args), tangents(*args), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["cond", "scan"])
+def test_a_traced_backward_of_one_output_of_several(name: str) -> None:
+    """An output nothing reads gets no cotangent (None, not zeros): the backward leaves it out."""
+    x, xs, w = _inputs()
+
+    def first(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if name == "cond":
+            both = hop.cond(x.sum() > 0, lambda a: (a @ w, (a @ w).exp()), lambda a: ((a @ w).sin(), a @ w), (x,))
+        else:
+            both = hop.scan(lambda c, xi: (c + (xi @ w).tanh(), (c * 2, c.exp())), torch.zeros(3, 5), xs)[1]
+        return both[0]
+
+    def step(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor) -> Any:
+        return torch.autograd.grad(first(x, xs, w).sum(), [w])
+
+    gm = make_fx(step, tracing_mode="fake")(x, xs, w)
+    torch.testing.assert_close(gm(x, xs, w), step(x, xs, w))
+    reference = torch.func.grad(lambda w: first(x, xs, w).sum())(w.detach())
+    torch.testing.assert_close(step(x, xs, w)[0], reference)
