@@ -225,7 +225,7 @@ def model_child(name: str, impl: str, mode: str = "inference") -> None:
     torch.manual_seed(0)
     model_type, twin_type, shape = _MODELS[name]
     model, x = model_type(), torch.randn(shape)
-    m = model if impl != "torch" else twin_type()
+    m = (model_type if impl != "torch" else twin_type)()  # every impl a second module: the same memory layout
     m.load_state_dict(model.state_dict())
     passes = hop.passes.inductor.chain(None) if impl == "hop + passes" else config.post_grad_custom_pre_pass
     with config.patch(post_grad_custom_pre_pass=passes):
