@@ -224,4 +224,5 @@ def test_the_c_module_refuses_another_entry_layout() -> None:
             tf_mode=len,
             grad_enabled=len,
             accumulate_grad=type,
+            library_namespaces=set(),
         )
