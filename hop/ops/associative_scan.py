@@ -342,6 +342,7 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.combine_fn, _, ctx.nx, *operands = inputs
+        ctx.set_materialize_grads(False)  # None, not zeros: the derivatives leave them out
         save_operands(ctx, operands)
 
     @staticmethod
@@ -354,7 +355,7 @@ class _Function(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         xs, init, additional, diff = _Function._split(ctx)
         nx = len(xs)
-        g_ys = [g[1:] if d else None for g, d in zip(grads, diff, strict=True)]
+        g_ys = [g[1:] if d and g is not None else None for g, d in zip(grads, diff, strict=True)]
         zeros = [torch.zeros_like(i) if d else None for i, d in zip(init, diff, strict=True)]
         rest = [x[1:] for x in xs]
         g = _scan_derivatives.scan_vjp(
@@ -370,7 +371,7 @@ class _Function(torch.autograd.Function):
             wanted=[True] * (2 * nx) + list(ctx.needs_input_grad[3 + nx :]),  # additional inputs autograd asks for
         )
         g_xs = [
-            None if gi is None else torch.cat([(gi + g0[0]).unsqueeze(0), gr])
+            None if gi is None else torch.cat([(gi if g0 is None else gi + g0[0]).unsqueeze(0), gr])
             for gi, gr, g0 in zip(g[:nx], g[nx : 2 * nx], grads, strict=True)
         ]
         return (None, None, None, *g_xs, *g[2 * nx :])

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
 from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -176,7 +177,7 @@ def test_a_traced_jvp_with_respect_to_data_and_weights(name: str) -> None:
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("name", ["cond", "scan"])
+@pytest.mark.parametrize("name", ["cond", "scan", "associative_scan"])
 def test_a_traced_backward_of_one_output_of_several(name: str) -> None:
     """An output nothing reads gets no cotangent (None, not zeros): the backward leaves it out."""
     x, xs, w = _inputs()
@@ -184,8 +185,10 @@ def test_a_traced_backward_of_one_output_of_several(name: str) -> None:
     def first(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if name == "cond":
             both = hop.cond(x.sum() > 0, lambda a: (a @ w, (a @ w).exp()), lambda a: ((a @ w).sin(), a @ w), (x,))
-        else:
+        elif name == "scan":
             both = hop.scan(lambda c, xi: (c + (xi @ w).tanh(), (c * 2, c.exp())), torch.zeros(3, 5), xs)[1]
+        else:
+            both = hop.associative_scan(lambda p, q: (p[0] + q[0] + w.sum(), p[1] * q[1]), (xs @ w, xs @ w), 0)
         return both[0]
 
     def step(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor) -> Any:
@@ -195,3 +198,20 @@ def test_a_traced_backward_of_one_output_of_several(name: str) -> None:
     torch.testing.assert_close(gm(x, xs, w), step(x, xs, w))
     reference = torch.func.grad(lambda w: first(x, xs, w).sum())(w.detach())
     torch.testing.assert_close(step(x, xs, w)[0], reference)
+
+
+def test_a_traced_forward_ad_of_associative_scan_builds_no_zero_tangent_for_what_it_closes_over() -> None:
+    """forward_ad's dual level around a traced call: ``s`` requires grad (so it is an input
+    of the operator's node) but has no tangent."""
+    torch.manual_seed(0)
+    xs, t, s = torch.randn(6, 3, 5), torch.randn(6, 3, 5), torch.randn(1, 5, requires_grad=True)
+
+    def tangent(xs: torch.Tensor, t: torch.Tensor, s: torch.Tensor) -> Any:
+        with forward_ad.dual_level():
+            out = hop.associative_scan(lambda a, b: a + b + s, forward_ad.make_dual(xs, t), 0)
+            return forward_ad.unpack_dual(out).tangent
+
+    gm = make_fx(tangent, tracing_mode="fake")(xs, t, s)
+    torch.testing.assert_close(gm(xs, t, s), torch.cumsum(t, 0))
+    zeros = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "call_function" and "zero" in str(n.target)]
+    assert tuple(s.shape) not in zeros, f"a zero tangent for s: {zeros}"
