@@ -15,6 +15,7 @@ import contextlib
 import dis
 import functools
 import sys
+import sysconfig
 from collections.abc import Callable, Sequence
 from types import BuiltinFunctionType, CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
@@ -97,9 +98,8 @@ def is_inert(value: Any) -> bool:
 # never searched. A set of the objects met so far (a bounded set: what is imported);
 # the C fast path reads it too (hop/_fastpath.c, still_plain).
 LIBRARY_NAMESPACES: set[Any] = set()
-_LIBRARIES = frozenset({"torch", "hop", "numpy", "builtins", "typing", "functools", "operator"}) | frozenset(
-    sys.stdlib_module_names
-)
+_LIBRARIES = frozenset({"torch", "hop", "numpy"})
+_STDLIB = sysconfig.get_paths()["stdlib"]
 _NO_VALUE = object()
 _NAMESPACES = (ModuleType, type)
 
@@ -110,10 +110,25 @@ def is_namespace(value: Any) -> bool:
     if not isinstance(value, _NAMESPACES) or value in LIBRARY_NAMESPACES:
         return False
     name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
-    if isinstance(name, str) and name.partition(".")[0] in _LIBRARIES:
+    if isinstance(name, str) and _library(name.partition(".")[0]):
         LIBRARY_NAMESPACES.add(value)
         return False
     return True
+
+
+def _library(top: str) -> bool:
+    """Whether the top-level module ``top`` is torch's, hop's, numpy's or the standard
+    library's: a user's package named like a standard module (``test``, ``config``...)
+    is loaded from elsewhere, and is searched."""
+    if top in _LIBRARIES:
+        return True
+    if top not in sys.stdlib_module_names:
+        return False
+    module = sys.modules.get(top)
+    if module is None:
+        return False
+    where = getattr(module, "__file__", None)
+    return where is None or where.startswith(_STDLIB)  # None: built into the interpreter
 
 
 def held_attributes(owner: Any, names: Sequence[str], depth: int = 3) -> list[Any]:

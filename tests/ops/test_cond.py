@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -354,6 +355,20 @@ def test_untaken_module_and_class_attributes_get_zero_grads(branch: Any, param: 
         param.grad = None
         hop.cond(torch.tensor(False), torch.sin, branch, (x,)).sum().backward()
         torch.testing.assert_close(param.grad, x)
+
+
+def test_a_users_package_named_like_a_standard_module_is_searched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the standard library's own modules (loaded from its directory) are skipped."""
+    package = types.ModuleType("nntplib")  # a standard module's name, which torch never imports
+    package.__file__ = "/home/user/project/nntplib/__init__.py"
+    package.W = torch.nn.Parameter(torch.full((3,), 2.0))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nntplib", package)
+    namespace: dict[str, Any] = {"nntplib": package}
+    branch = eval("lambda a: a * nntplib.W", namespace)  # reads the package as a global
+    for _ in range(3):
+        package.W.grad = None
+        hop.cond(torch.tensor(True), torch.sin, branch, (torch.randn(3),)).sum().backward()
+        assert package.W.grad is not None and not package.W.grad.any()
 
 
 def test_module_in_a_closure_cell_is_searched_for_the_attributes_read() -> None:

@@ -60,12 +60,8 @@ def _matmul_results(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
     return shapes
 
 
-@pytest.mark.parametrize("name", list(PROGRAMS))
-def test_a_compiled_backward_computes_no_gradient_for_data(name: str) -> None:
-    """torch.compile: AOTAutograd's backward graph holds the operator's backward, with
-    the data as graph inputs (the loops' bodies read ``x`` as an additional input)."""
-    program = PROGRAMS[name]
-    x, xs, w = _inputs()
+def _compiled_keeping_graphs(program: Callable[..., Any]) -> tuple[Callable[..., Any], list[torch.fx.GraphModule]]:
+    """``program`` compiled by AOTAutograd, and the list its forward and backward graphs go to."""
     graphs: list[torch.fx.GraphModule] = []
 
     def keep(g: torch.fx.GraphModule, _: Any) -> Any:
@@ -76,7 +72,21 @@ def test_a_compiled_backward_computes_no_gradient_for_data(name: str) -> None:
         return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
 
     torch._dynamo.reset()
-    compiled = torch.compile(program, backend=backend, fullgraph=True)
+    return torch.compile(program, backend=backend, fullgraph=True), graphs
+
+
+def _zeros_made(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
+    """The shapes of the zero tensors a traced program's outer graph builds."""
+    return [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "call_function" and "zero" in str(n.target)]
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_a_compiled_backward_computes_no_gradient_for_data(name: str) -> None:
+    """torch.compile: AOTAutograd's backward graph holds the operator's backward, with
+    the data as graph inputs (the loops' bodies read ``x`` as an additional input)."""
+    program = PROGRAMS[name]
+    x, xs, w = _inputs()
+    compiled, graphs = _compiled_keeping_graphs(program)
     (got,) = _grad_of_w(compiled)(x, xs, w)
     torch.testing.assert_close(got, _grad_of_w(program)(x, xs, w)[0])
     assert len(graphs) == 2  # forward, backward
@@ -107,17 +117,7 @@ def test_a_compiled_associative_scan_backward_computes_no_gradient_for_data() ->
     def program(xs: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return hop.associative_scan(lambda a, b: a + b + s, xs, 0)  # associative: a + b + c + 2s
 
-    graphs: list[torch.fx.GraphModule] = []
-
-    def keep(g: torch.fx.GraphModule, _: Any) -> Any:
-        graphs.append(g)
-        return make_boxed_func(g)
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(program, backend=backend, fullgraph=True)
+    compiled, graphs = _compiled_keeping_graphs(program)
     (got,) = torch.autograd.grad(compiled(xs, s).sum(), [xs])
     (want,) = torch.autograd.grad(program(xs, s).sum(), [xs])
     torch.testing.assert_close(got, want)
@@ -153,11 +153,7 @@ def test_a_traced_jvp_builds_no_zero_tangent_for_data(name: str) -> None:
     gm = make_fx(tangent_of_w, tracing_mode="fake")(x, xs, w, t)
     for got, want in zip(gm(x, xs, w, t), tangent_of_w(x, xs, w, t), strict=True):
         torch.testing.assert_close(got, want)
-    zeros = [
-        tuple(node.meta["val"].shape)
-        for node in gm.graph.nodes
-        if node.op == "call_function" and "zero" in str(node.target)
-    ]
+    zeros = _zeros_made(gm)
     assert X_SHAPE not in zeros and tuple(xs.shape) not in zeros, f"{name}: a zero tangent for data: {zeros}"
 
 
@@ -213,5 +209,5 @@ def test_a_traced_forward_ad_of_associative_scan_builds_no_zero_tangent_for_what
 
     gm = make_fx(tangent, tracing_mode="fake")(xs, t, s)
     torch.testing.assert_close(gm(xs, t, s), torch.cumsum(t, 0))
-    zeros = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "call_function" and "zero" in str(n.target)]
+    zeros = _zeros_made(gm)
     assert tuple(s.shape) not in zeros, f"a zero tangent for s: {zeros}"
