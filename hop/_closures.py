@@ -134,26 +134,44 @@ def _library(top: str) -> bool:
 def held_attributes(owner: Any, names: Sequence[str], depth: int = 3) -> list[Any]:
     """The values the namespace ``owner`` (:func:`is_namespace`) holds under ``names``
     (the attributes a function's code loads) that may lead to a tensor: tensors,
-    modules, containers and other plain objects; found in the namespaces held so too
-    (``config.sub.W``), ``depth`` levels deep. A class's attributes are looked up
-    along its MRO, without running descriptors. Functions, descriptors and inert
-    values are not followed: a function kept in a module is not searched."""
+    modules, functions (a static or class method's, a property's getter) and other
+    objects; found in the namespaces held so too (``config.sub.W``), ``depth`` levels
+    deep. A class's attributes are looked up along its MRO, without running
+    descriptors, in its own classes only: a library base's (``nn.Module``) are not."""
     found: list[Any] = []
     for name in names:
-        if isinstance(owner, ModuleType):
-            value = vars(owner).get(name, _NO_VALUE)
-        else:
-            value = next((k.__dict__[name] for k in owner.__mro__ if name in k.__dict__), _NO_VALUE)
-        if value is _NO_VALUE:
+        value = _own_attribute(owner, name)
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        elif isinstance(value, property):
+            value = value.fget
+        if value is _NO_VALUE or (is_inert(value) and not is_namespace(value)):
             continue
         if is_namespace(value):
             if depth > 1:
                 found.extend(held_attributes(value, names, depth - 1))
-        elif isinstance(value, torch.nn.Module) or not (
-            is_inert(value) or callable(value) or hasattr(type(value), "__get__")
-        ):
-            found.append(value)
+        elif isinstance(value, _FOLLOWED) or not (callable(value) or hasattr(type(value), "__get__")):
+            found.append(value)  # not other descriptors or callables: builtins, slots
     return found
+
+
+_FOLLOWED = (FunctionType, torch.nn.Module)
+
+
+def _own_attribute(owner: Any, name: str) -> Any:
+    """``owner``'s attribute ``name`` as stored: a module's global, or the first entry
+    along a class's MRO when that class is not a library's; else ``_NO_VALUE``."""
+    if isinstance(owner, ModuleType):
+        return vars(owner).get(name, _NO_VALUE)
+    for k in owner.__mro__:
+        if name in k.__dict__:
+            return k.__dict__[name] if is_namespace(k) else _NO_VALUE
+    return _NO_VALUE
+
+
+# The attributes a call of an instance runs: a user's module's ``forward``, an object's
+# ``__call__``.
+_CALLED = ("forward", "__call__")
 
 
 def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]:
@@ -163,66 +181,84 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
 
     A static over-approximation, for eager paths that must differentiate with respect
     to what a function closes over (traced paths lift exactly, Note [closure lifting]).
+    Of a user's module or class a function reads (``config``, ``Tools``), and of the
+    class of a user's object it reads (``holder``, ``self``), the attributes its code
+    names are searched: ``config.W``, ``holder.W`` kept on the class, and the
+    functions and methods found so (``config.helper``, ``self.scaled``), with what
+    they read in turn.
     """
     found: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
+    searched: set[tuple[int, tuple[str, ...]]] = set()
 
-    def visit(obj: Any, level: int) -> None:
+    def visit(obj: Any, level: int, names: tuple[str, ...] = ()) -> None:
+        """``names``: the attributes the code that reached ``obj`` loads."""
         if level > depth or id(obj) in seen:
+            return
+        if isinstance(obj, _NAMESPACES):
+            search(obj, names, level)  # not marked seen: other code may name other attributes
             return
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             found.setdefault(id(obj), obj)
+        elif isinstance(obj, FunctionType):
+            if hasattr(obj, "__hop_closure_map__"):
+                inner, mapping = obj.__hop_closure_map__  # a converted callable: what it reads instead
+                for t in closure_tensors([inner], depth=depth - level):
+                    v = mapping.get(id(t), t)
+                    if v is not None:
+                        found.setdefault(id(v), v)
+                return
+            code = obj.__code__
+            read = ATTRIBUTES_READ.get(code)
+            if read is None:
+                read = attributes_read(code)
+            if obj.__closure__ is not None:
+                for cell in obj.__closure__:
+                    with contextlib.suppress(ValueError):  # an empty cell
+                        visit(cell.cell_contents, level + 1, read)
+            names_read = GLOBALS_READ.get(code)
+            for name in globals_read(code) if names_read is None else names_read:
+                value = obj.__globals__.get(name)
+                if not is_inert(value) or is_namespace(value):
+                    visit(value, level + 1, read)
+            for value in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
+                visit(value, level + 1, read)  # captured as a default: lambda a, w=w: a @ w
         elif isinstance(obj, torch.nn.Module):
             for t in (*obj.parameters(), *obj.buffers()):
                 found.setdefault(id(t), t)
-        elif isinstance(obj, FunctionType) and hasattr(obj, "__hop_closure_map__"):
-            inner, mapping = obj.__hop_closure_map__  # a converted callable: what it reads instead
-            for t in closure_tensors([inner], depth=depth - level):
-                v = mapping.get(id(t), t)
-                if v is not None:
-                    found.setdefault(id(v), v)
-        elif isinstance(obj, FunctionType):
-            code = obj.__code__
-            for cell in obj.__closure__ or ():
-                with contextlib.suppress(ValueError):  # an empty cell
-                    value = cell.cell_contents
-                    if isinstance(value, _NAMESPACES):
-                        visit_namespace(value, code, level + 1)
-                    else:
-                        visit(value, level + 1)
-            for name in globals_read(code):
-                value = obj.__globals__.get(name)
-                if isinstance(value, _NAMESPACES):
-                    visit_namespace(value, code, level + 1)
-                elif not is_inert(value):
-                    visit(value, level + 1)
-            for value in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
-                visit(value, level + 1)  # captured as a default: lambda a, w=w: a @ w
+            search(type(obj), names + _CALLED, level)  # its methods: self.scaled, forward
         elif isinstance(obj, MethodType):
-            visit(obj.__func__, level)
-            visit(obj.__self__, level + 1)
+            func = obj.__func__
+            visit(func, level)
+            visit(obj.__self__, level + 1, attributes_read(func.__code__) if type(func) is FunctionType else ())
         elif isinstance(obj, functools.partial):
             for v in (obj.func, *obj.args, *obj.keywords.values()):
-                visit(v, level + 1)
+                visit(v, level + 1, names)
         elif isinstance(obj, (list, tuple)):
             for v in obj[:64]:
-                visit(v, level + 1)
+                visit(v, level + 1, names)
         elif isinstance(obj, dict):
             for v in list(obj.values())[:64]:
-                visit(v, level + 1)
+                visit(v, level + 1, names)
         elif type(obj) is BuiltinFunctionType:
             visit(obj.__self__, level + 1)  # W.mul: the tensor it is bound to
         elif not is_inert(obj) and isinstance(getattr(obj, "__dict__", None), dict):
             for v in list(vars(obj).values())[:64]:  # a namespace or config object holding parameters
-                visit(v, level + 1)
+                visit(v, level + 1, names)
+            search(type(obj), names + _CALLED, level)  # its class: holder.W kept there, methods
 
-    def visit_namespace(value: Any, code: CodeType, level: int) -> None:
-        """A module or class a function's code reads by name: searched for the
-        attributes that code loads only."""
-        if is_namespace(value):
-            for v in held_attributes(value, attributes_read(code)):
-                visit(v, level)
+    def search(owner: Any, names: tuple[str, ...], level: int) -> None:
+        """A user's module or class: the attributes ``names`` found there; of a
+        function found on a class (a method), the class again for the attributes its
+        code loads (``self.W``, ``cls.BIAS``)."""
+        if not names or not is_namespace(owner) or (id(owner), names) in searched:
+            return
+        searched.add((id(owner), names))
+        for v in held_attributes(owner, names):
+            visit(v, level)
+            if isinstance(v, FunctionType) and isinstance(owner, type):
+                search(owner, attributes_read(v.__code__), level + 1)
 
     for fn in fns:
         visit(fn, 0)

@@ -35,9 +35,11 @@ The closure search is static: every parameter of a module a branch closes over
 defaults, bound owners (``self``, the tensor of ``w.mul``), partials, containers
 and objects' attributes, and every global that is not inert (``_closures.is_inert``:
 numbers, strings, Python modules, classes). Of a module or a class a function
-reads (not a library's: ``torch``, ``math``), the attributes its code names are
-searched (``config.W``, ``Shared.W``, ``config.sub.W``), but not the functions kept
-there. A traced call (a
+reads (not a library's: ``torch``, ``math``), and of the class of an object it
+reads, the attributes its code names are searched (``config.W``, ``Shared.W``,
+``config.sub.W``, ``holder.W`` kept on the class), with the functions and methods
+found so and what they read (``config.helper``, ``Tools.scale``, ``self.scaled``).
+A traced call (a
 selector that cannot be read) needs none of this: its node's backward is the vjp
 of each branch with respect to every operand and converted closure tensor, and
 ``torch.func.vjp`` fills zeros for the inputs a branch does not use. Inside

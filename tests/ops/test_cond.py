@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any
 
 import pytest
@@ -303,80 +301,6 @@ def test_global_read_by_nested_code_gets_zero_grads() -> None:
         _G_W.grad = x.grad = None
         hop.cond(torch.tensor(False), torch.sin, _nested_reads_global, (x,)).sum().backward()
         torch.testing.assert_close(_G_W.grad, x.detach())
-
-
-# A parameter kept as a Python module's attribute (a config module) or a class attribute:
-# modules and classes are otherwise inert to the search (Note [untaken branches get zero
-# gradients]), but the attributes their branch's code reads are searched.
-_CONFIG = types.ModuleType("_hop_test_config")
-_CONFIG.W = torch.nn.Parameter(torch.full((3,), 2.0))  # type: ignore[attr-defined]
-_CONFIG.sub = types.ModuleType("_hop_test_config.sub")  # type: ignore[attr-defined]
-_CONFIG.sub.V = torch.nn.Parameter(torch.full((3,), 3.0))  # type: ignore[attr-defined]
-
-
-class _Shared:
-    W = torch.nn.Parameter(torch.full((3,), 4.0))
-
-
-class _Derived(_Shared):
-    pass
-
-
-def _reads_module_attribute(a: torch.Tensor) -> torch.Tensor:
-    return a * _CONFIG.W
-
-
-def _reads_nested_module_attribute(a: torch.Tensor) -> torch.Tensor:
-    return a * _CONFIG.sub.V
-
-
-def _reads_class_attribute(a: torch.Tensor) -> torch.Tensor:
-    return a * _Derived.W  # inherited: found through the class's MRO
-
-
-@pytest.mark.parametrize(
-    ("branch", "param"),
-    [
-        (_reads_module_attribute, _CONFIG.W),
-        (_reads_nested_module_attribute, _CONFIG.sub.V),
-        (_reads_class_attribute, _Shared.W),
-    ],
-    ids=["module", "nested-module", "class"],
-)
-def test_untaken_module_and_class_attributes_get_zero_grads(branch: Any, param: torch.Tensor) -> None:
-    x = torch.randn(3)
-    for _ in range(3):  # the first call validates, later ones take the fast paths (C and Python)
-        param.grad = None
-        hop.cond(torch.tensor(True), torch.sin, branch, (x,)).sum().backward()
-        assert param.grad is not None and not param.grad.any()
-        param.grad = None
-        hop.switch(torch.tensor(0), [torch.cos, branch], (x,)).sum().backward()
-        assert param.grad is not None and not param.grad.any()
-        param.grad = None
-        hop.cond(torch.tensor(False), torch.sin, branch, (x,)).sum().backward()
-        torch.testing.assert_close(param.grad, x)
-
-
-def test_a_users_package_named_like_a_standard_module_is_searched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only the standard library's own modules (loaded from its directory) are skipped."""
-    package = types.ModuleType("nntplib")  # a standard module's name, which torch never imports
-    package.__file__ = "/home/user/project/nntplib/__init__.py"
-    package.W = torch.nn.Parameter(torch.full((3,), 2.0))  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "nntplib", package)
-    namespace: dict[str, Any] = {"nntplib": package}
-    branch = eval("lambda a: a * nntplib.W", namespace)  # reads the package as a global
-    for _ in range(3):
-        package.W.grad = None
-        hop.cond(torch.tensor(True), torch.sin, branch, (torch.randn(3),)).sum().backward()
-        assert package.W.grad is not None and not package.W.grad.any()
-
-
-def test_module_in_a_closure_cell_is_searched_for_the_attributes_read() -> None:
-    cfg, w = _CONFIG, _CONFIG.W
-    for _ in range(3):
-        w.grad = None
-        hop.cond(torch.tensor(True), torch.sin, lambda a: a * cfg.W, (torch.randn(3),)).sum().backward()
-        assert w.grad is not None and not w.grad.any()
 
 
 def test_operand_the_taken_branch_ignores_gets_zeros() -> None:
