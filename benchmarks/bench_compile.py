@@ -27,6 +27,13 @@ backward (``loss.backward()``, parameters requiring grad), its gradients checked
 against the hop model's in eager; a twin that torch cannot differentiate prints
 ``n/a``.
 
+``--models --interleaved`` compiles the three in one process instead and times them
+in alternating blocks of calls, so that a drift of the machine falls on each alike;
+run twice, each impl built first once (what is built first runs faster: memory
+layout). Per program, the median block of each impl and its ratio to torch's, per
+build order and their geometric mean. Differences of a percent or two are below what
+separate processes can resolve on a shared machine.
+
 ``--warm`` measures warm starts instead: per program, two fresh processes share one
 ``TORCHINDUCTOR_CACHE_DIR`` (caches on) and each times its first compiled call
 (Dynamo, AOTAutograd and Inductor, or the cached code they load); the table has the
@@ -42,7 +49,10 @@ if "--child" not in sys.argv and "--warm" not in sys.argv:  # --model-child comp
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # every first call compiles
 
 import argparse
+import json
+import math
 import re
+import statistics
 import subprocess
 import tempfile
 import time
@@ -240,6 +250,67 @@ def model_child(name: str, impl: str, mode: str = "inference") -> None:
     print(f"{seconds:.2f} {us:.2f}")
 
 
+def _compiled_model(name: str, impl: str) -> tuple[Fn, torch.Tensor]:
+    """``name``'s program compiled by Inductor as ``impl``, checked against eager, and its input."""
+    from torch._inductor import config
+
+    import hop.passes.inductor
+
+    torch.manual_seed(0)
+    model_type, twin_type, shape = _MODELS[name]
+    model, x = model_type(), torch.randn(shape)
+    own = type(model_type.__name__, (model_type if impl != "torch" else twin_type,), {})
+    m = own()  # its own class: Dynamo reuses a graph for another instance of one class, passes or not
+    m.load_state_dict(model.state_dict())
+    passes = hop.passes.inductor.chain(None) if impl == "hop + passes" else config.post_grad_custom_pre_pass
+    with config.patch(post_grad_custom_pre_pass=passes), torch.no_grad():
+        compiled = torch.compile(m, backend="inductor", fullgraph=True)
+        torch.testing.assert_close(compiled(x), model(x))
+    return compiled, x
+
+
+def interleaved_child(name: str, first: str, blocks: int = 40, number: int = 50) -> None:
+    """One process of ``--models --interleaved``: every impl compiled, ``first`` first,
+    then timed in turns; prints each impl's median us per call over the blocks."""
+    torch.set_num_threads(1)
+    order = [first, *(i for i in _IMPLS if i != first)]
+    built = {impl: _compiled_model(name, impl) for impl in order}
+    times: dict[str, list[float]] = {impl: [] for impl in order}
+    with torch.no_grad():
+        for fn, x in built.values():
+            fn(x)
+        for _ in range(blocks):
+            for impl, (fn, x) in built.items():
+                start = time.process_time()
+                for _ in range(number):
+                    fn(x)
+                times[impl].append((time.process_time() - start) / number * 1e6)
+    print(json.dumps({impl: statistics.median(ts) for impl, ts in times.items()}))
+
+
+def interleaved() -> None:
+    """The table of ``--models --interleaved``."""
+    header = ["program", "impl", "us (hop first)", "us (torch first)", "/ torch (each order)", "/ torch (geo mean)"]
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for name in _MODELS:
+        runs = []
+        for first in ("hop", "torch"):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--interleaved-child", name, first], capture_output=True, text=True
+            )
+            if proc.returncode:
+                print(f"{name} | n/a ({_reason(proc.stderr)})", flush=True)
+                break
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        else:
+            for impl in _IMPLS:
+                ratios = [r[impl] / r["torch"] for r in runs]
+                cells = [f"{r[impl]:.1f}" for r in runs]
+                each = " / ".join(f"{q:.3f}" for q in ratios)
+                print(" | ".join([name, impl, *cells, each, f"{math.sqrt(ratios[0] * ratios[1]):.3f}x"]), flush=True)
+
+
 def _training(model: torch.nn.Module, m: torch.nn.Module, compiled: Fn, x: torch.Tensor) -> tuple[float, float]:
     """Compile s and us per step of ``compiled(x).sum().backward()``, whose gradients
     equal the hop model's in eager."""
@@ -351,9 +422,11 @@ def main() -> None:
     parser.add_argument("--ops", default="", help="comma-separated operators (default: all)")
     parser.add_argument("--models", action="store_true", help="realistic programs: hop, hop + passes, torch")
     parser.add_argument("--training", action="store_true", help="with --models: a compiled training step")
+    parser.add_argument("--interleaved", action="store_true", help="with --models: the impls in one process, in turns")
     parser.add_argument("--warm", action="store_true", help="cold and warm starts from the compile caches")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--model-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved-child", nargs=2, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     wanted = set(filter(None, opts.ops.split(",")))
     warnings.filterwarnings("ignore")
@@ -361,8 +434,12 @@ def main() -> None:
         return child(*opts.child)
     if opts.model_child:
         return model_child(*opts.model_child)
+    if opts.interleaved_child:
+        return interleaved_child(*opts.interleaved_child)
     if opts.warm:
         return warm(wanted)
+    if opts.models and opts.interleaved:
+        return interleaved()
     if opts.models:
         return models(mode="training" if opts.training else "inference")
     torch.compile(lambda t: t + 1, backend="inductor")(torch.ones(2))  # Inductor's one-time start-up
