@@ -17,7 +17,7 @@ import functools
 import sys
 import sysconfig
 from collections.abc import Callable, Sequence
-from types import BuiltinFunctionType, CodeType, FunctionType, MethodType, ModuleType
+from types import BuiltinFunctionType, CodeType, FunctionType, MemberDescriptorType, MethodType, ModuleType
 from typing import Any
 
 import torch
@@ -169,6 +169,22 @@ def _own_attribute(owner: Any, name: str) -> Any:
     return _NO_VALUE
 
 
+def _slot_values(obj: Any) -> list[Any]:
+    """What an object of a user's class with ``__slots__`` (a ``dataclass(slots=True)``)
+    holds in them: up to 64 values, unset slots left out."""
+    values: list[Any] = []
+    for k in type(obj).__mro__:
+        if not is_namespace(k):
+            continue
+        slots = k.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            member = k.__dict__.get(name)
+            if type(member) is MemberDescriptorType:
+                with contextlib.suppress(AttributeError):
+                    values.append(member.__get__(obj, k))
+    return values[:64]
+
+
 # The attributes a call of an instance runs: a user's module's ``forward``, an object's
 # ``__call__``.
 _CALLED = ("forward", "__call__")
@@ -243,8 +259,9 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
                 visit(v, level + 1, names)
         elif type(obj) is BuiltinFunctionType:
             visit(obj.__self__, level + 1)  # W.mul: the tensor it is bound to
-        elif not is_inert(obj) and isinstance(getattr(obj, "__dict__", None), dict):
-            for v in list(vars(obj).values())[:64]:  # a namespace or config object holding parameters
+        elif not is_inert(obj):  # a namespace or config object holding parameters
+            state = getattr(obj, "__dict__", None)
+            for v in list(state.values())[:64] if isinstance(state, dict) else _slot_values(obj):
                 visit(v, level + 1, names)
             search(type(obj), names + _CALLED, level)  # its class: holder.W kept there, methods
 

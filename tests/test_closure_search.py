@@ -8,6 +8,7 @@ the same Python code does. A library's modules and classes are not searched."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from typing import Any
@@ -83,7 +84,15 @@ class _Head(torch.nn.Module):
         return a * _W_FORWARD
 
 
+@dataclasses.dataclass(slots=True)
+class _Slotted:
+    """A config object without a ``__dict__``: its parameter is in a slot."""
+
+    W: torch.Tensor
+
+
 _HOLDER = _Holder()
+_SLOTTED = _Slotted(torch.nn.Parameter(torch.full((3,), 8.0)))
 _BLOCK = _Block()
 _HEAD = _Head()
 
@@ -133,6 +142,7 @@ _CASES = [
     (_via_module_method, _W_METHOD),
     (_HEAD, _W_FORWARD),  # a module as the branch: its forward is searched
     ((lambda head: lambda a: head(a))(_HEAD), _W_FORWARD),  # a module in a closure cell, called
+    ((lambda cfg: lambda a: a * cfg.W)(_SLOTTED), _SLOTTED.W),
 ]
 _IDS = [
     "module-attr",
@@ -147,6 +157,7 @@ _IDS = [
     "module-method",
     "module-as-branch",
     "module-in-cell",
+    "slots",
 ]
 
 
