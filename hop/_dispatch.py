@@ -25,8 +25,9 @@ operator would:
 Keys no HOP handles (autocast, ADInplaceOrView, BackendSelect, the JIT
 tracer's: Note [the JIT tracer's key]) fall through. Each kernel runs with the
 layers above it out of the way: the mode it serves is popped, autograd is
-excluded below the autograd route, functorch rules lower their interpreter
-themselves. Every guard and popped mode is a context manager, so all of it is
+excluded below the autograd route (but for a backend kernel running callables
+with grad enabled: Note [callables run with autograd on]), functorch rules lower
+their interpreter themselves. Every guard and popped mode is a context manager, so all of it is
 restored when a kernel raises.
 
 Calls with nothing active (``hop._transforms.nothing_active``: no mode, no
@@ -177,8 +178,9 @@ def call(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             # Below autograd, as the Autograd route would do for inputs that need
             # no grad. Only dense CPU/Meta tensors get here, for which excluding
             # the autograd functionality bit is what _AutoDispatchBelowAutograd
-            # does, at half the cost.
-            if _is_excluded(_AUTOGRAD):
+            # does, at half the cost. Callables with grad enabled: Note
+            # [callables run with autograd on].
+            if _is_excluded(_AUTOGRAD) or (_grad_enabled() and _has_callables(args)):
                 return kernel(*args)
             _set_excluded(_AUTOGRAD, True)
             try:
@@ -299,11 +301,36 @@ def _autograd(op: Operator, key: DispatchKey, args: tuple[Any, ...], kwargs: dic
     tensors = tensors_in((args, kwargs))
     if not _grad_enabled() or not (any(t.requires_grad for t in tensors) or _closures_need_grad(tensors, args)):
         _record(op, key, "below-autograd")
+        if _grad_enabled() and _has_callables(args):
+            with _BelowAutograd():
+                below = _highest_key(op, tensors)
+            if torch._C._dispatch_is_included_in_alias(below, _K.CompositeExplicitAutograd):
+                return dispatch(op, below, args, kwargs)  # Note [callables run with autograd on]
         with _BelowAutograd():
             return redispatch(op, args, kwargs)
     kernel = _kernel(op, key, "autograd rule", "Autograd")
     _record(op, key, "kernel", kernel)
     return kernel(*args, **kwargs)
+
+
+# Note [callables run with autograd on]
+# With grad enabled, a call whose tensors need no grad and whose callables read nothing
+# that requires grad, as far as the static closure search finds (hop._closures), runs
+# its backend kernel with autograd left on. The kernel runs the callables inline on
+# real tensors, so a tensor that requires grad and that the search cannot see (read
+# through getattr with a computed name, inside a library's code, deeper than the search
+# goes) is differentiated as in plain Python, never dropped silently. When nothing
+# requires grad, autograd records nothing. Only the Python and functorch routes still
+# run with autograd excluded, as an aten op's kernels do.
+
+
+def _has_callables(args: tuple[Any, ...]) -> bool:
+    """Whether an argument, or an element of one, is a callable (a branch, a body)."""
+    for arg in args:
+        for a in arg if type(arg) in _SEQUENCES else (arg,):
+            if callable(a) and not isinstance(a, torch.Tensor):
+                return True
+    return False
 
 
 def _closures_need_grad(tensors: list[torch.Tensor], args: tuple[Any, ...]) -> bool:

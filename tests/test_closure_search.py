@@ -227,3 +227,35 @@ def test_library_namespaces_are_not_searched() -> None:
     lin = _Linear(3, 3)
     found = closure_tensors([lambda a: torch.nn.functional.gelu(lin(a))])
     assert {id(t) for t in found} == {id(lin.weight), id(lin.bias)}
+
+
+# A parameter no static search can see: read through getattr with a computed name.
+_HIDDEN = types.ModuleType("_hop_test_hidden")
+_HIDDEN.W = torch.nn.Parameter(torch.full((3,), 1.5))  # type: ignore[attr-defined]
+_HIDDEN_NAME = "W"
+
+
+def _hidden_scale(v: torch.Tensor) -> torch.Tensor:
+    return v * getattr(_HIDDEN, _HIDDEN_NAME)
+
+
+def test_raw_operator_differentiates_what_the_search_cannot_see() -> None:
+    """With nothing found that requires grad, the raw operator's callables still run with
+    autograd on (Note [callables below autograd]): a tensor the search misses gets its
+    gradient as in Python, never none."""
+    w = _HIDDEN.W
+    assert not any(t is w for t in closure_tensors([_hidden_scale]))
+    x = torch.randn(3)
+    cond = torch.tensor(True)
+    scan_body = lambda c, a: (_hidden_scale(c), c + a)  # noqa: E731
+    runs = {
+        "while_loop": lambda: torch.ops.hop.while_loop(
+            lambda i, v: i < 2, lambda i, v: (i + 1, _hidden_scale(v)), (torch.tensor(0), x), ()
+        )[1],
+        "cond": lambda: torch.ops.hop.cond(cond, lambda v: _hidden_scale(_hidden_scale(v)), torch.sin, (x,)),
+        "scan": lambda: torch.ops.hop.scan(scan_body, (x,), (torch.ones(2, 3),), (), False)[0],
+    }
+    for name, run in runs.items():
+        w.grad = None
+        run().sum().backward()
+        torch.testing.assert_close(w.grad, 2 * x * w.detach(), msg=name)
