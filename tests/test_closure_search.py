@@ -18,6 +18,7 @@ import torch
 
 import hop
 from hop._closures import closure_tensors
+from hop.errors import HopRuntimeError
 
 # A config module holding a parameter, and a nested one; a class holding one, inherited.
 _CONFIG = types.ModuleType("_hop_test_config")
@@ -259,3 +260,14 @@ def test_raw_operator_differentiates_what_the_search_cannot_see() -> None:
         w.grad = None
         run().sum().backward()
         torch.testing.assert_close(w.grad, 2 * x * w.detach(), msg=name)
+
+
+def test_checkpointed_loop_names_a_tensor_the_search_cannot_see() -> None:
+    """The checkpointed loop differentiates what the search found only: a tensor it
+    misses is a clear error, not a silently missing gradient."""
+    _HIDDEN.W.grad = None
+    x = torch.randn(3, requires_grad=True)
+    out = hop.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, _hidden_scale(v)), (0, x), checkpoint=True)[1]
+    with pytest.raises(HopRuntimeError, match=r"checkpoint=True.*shape \[3\].*could not find"):
+        out.sum().backward()
+    assert _HIDDEN.W.grad is None

@@ -9,7 +9,9 @@ the at most k iterations of a segment from its checkpoint with autograd on and
 backpropagates through them. Peak memory: k + 1 checkpoints plus one segment's
 intermediates, about 2 sqrt(2n) carries (65 for n = 1024), instead of n; the
 price is one more forward pass. Gradients reach the initial carries and the
-tensors the functions close over (found by ``_closures.closure_tensors``).
+tensors the functions close over (found by ``_closures.closure_tensors``); a replay
+that reads a tensor requiring grad the search missed raises instead of dropping its
+gradient (:func:`_check_reads_found`).
 
 The backward pass is first-order only: the replayed segments are differentiated
 with ``torch.autograd.grad`` and their graphs freed. Under ``create_graph=True`` the
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from hop.errors import HopRuntimeError, HopTypeError, format_message, type_name
 from hop.ops._common import differentiable
@@ -167,8 +170,43 @@ def _segment_grads(
         if not pairs:
             return [None] * len(start), [None] * len(closures)
         inputs = [x[i] for i in diff] + closures
+        _check_reads_found([p for p, _ in pairs], inputs)
         got = torch.autograd.grad([p for p, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True)
     out: list[Any] = [None] * len(start)
     for i, gi in zip(diff, got[: len(diff)], strict=True):
         out[i] = torch.zeros_like(start[i]) if gi is None else gi
     return out, list(got[len(diff) :])
+
+
+def _check_reads_found(outputs: list[torch.Tensor], inputs: list[torch.Tensor], budget: int = 100_000) -> None:
+    """Raise if the replayed iterations read a tensor that requires grad other than
+    ``inputs`` (the carries and what the static closure search found): its gradient
+    would be lost silently (read through ``getattr`` with a computed name, say). A walk
+    of the replay's autograd graph, stopping at ``inputs``; a leaf it reaches that is
+    not one of them is such a tensor (or feeds one that is not a leaf)."""
+    # by gradient edge, not identity: a saved tensor unpacked by hooks is another object;
+    # the dicts keep the nodes alive, so their ids stay theirs
+    stops = {id(n): n for n in (get_gradient_edge(t).node for t in inputs if t.requires_grad)}
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    seen: dict[int, Any] = {}
+    while stack and budget:
+        node = stack.pop()
+        if id(node) in seen or id(node) in stops:
+            continue
+        seen[id(node)] = node
+        budget -= 1
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if isinstance(variable, torch.Tensor):
+            raise HopRuntimeError(
+                format_message(
+                    _NAME,
+                    f"with checkpoint=True, body_fn reads a tensor that requires grad (shape "
+                    f"{list(variable.shape)}) that hop could not find among what it closes over, so its "
+                    "gradient would be lost",
+                    fix="Read it as a closure variable, a global or an attribute named in the code "
+                    "(not through getattr with a computed name), or carry it through the loop.",
+                ),
+                op=_NAME,
+                role="body_fn",
+            )
+        stack.extend(n for n, _ in node.next_functions if n is not None)
