@@ -131,6 +131,11 @@ def _library(top: str) -> bool:
     return where is None or where.startswith(_STDLIB)  # None: built into the interpreter
 
 
+# What held_attributes follows although callable: functions (their cells, globals and
+# the attributes they name are searched) and modules (their parameters).
+_FOLLOWED = (FunctionType, torch.nn.Module)
+
+
 def held_attributes(owner: Any, names: Sequence[str], depth: int = 3) -> list[Any]:
     """The values the namespace ``owner`` (:func:`is_namespace`) holds under ``names``
     (the attributes a function's code loads) that may lead to a tensor: tensors,
@@ -153,9 +158,6 @@ def held_attributes(owner: Any, names: Sequence[str], depth: int = 3) -> list[An
         elif isinstance(value, _FOLLOWED) or not (callable(value) or hasattr(type(value), "__get__")):
             found.append(value)  # not other descriptors or callables: builtins, slots
     return found
-
-
-_FOLLOWED = (FunctionType, torch.nn.Module)
 
 
 def _own_attribute(owner: Any, name: str) -> Any:
