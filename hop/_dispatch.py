@@ -27,8 +27,8 @@ tracer's: Note [the JIT tracer's key]) fall through. Each kernel runs with the
 layers above it out of the way: the mode it serves is popped, autograd is
 excluded below the autograd route (but for a backend kernel running callables
 with grad enabled: Note [callables run with autograd on]), functorch rules lower
-their interpreter themselves. Every guard and popped mode is a context manager, so all of it is
-restored when a kernel raises.
+their interpreter themselves. Every guard and popped mode is a context manager,
+so all of it is restored when a kernel raises.
 
 Calls with nothing active (``hop._transforms.nothing_active``: no mode, no
 transform, no torch-function mode) on plain tensors that need no grad take a fast

@@ -242,18 +242,21 @@ def _hidden_scale(v: torch.Tensor) -> torch.Tensor:
 
 def test_raw_operator_differentiates_what_the_search_cannot_see() -> None:
     """With nothing found that requires grad, the raw operator's callables still run with
-    autograd on (Note [callables below autograd]): a tensor the search misses gets its
+    autograd on (Note [callables run with autograd on]): a tensor the search misses gets its
     gradient as in Python, never none."""
     w = _HIDDEN.W
     assert not any(t is w for t in closure_tensors([_hidden_scale]))
     x = torch.randn(3)
     cond = torch.tensor(True)
     scan_body = lambda c, a: (_hidden_scale(c), c + a)  # noqa: E731
+    twice = lambda v: _hidden_scale(_hidden_scale(v))  # noqa: E731
     runs = {
         "while_loop": lambda: torch.ops.hop.while_loop(
             lambda i, v: i < 2, lambda i, v: (i + 1, _hidden_scale(v)), (torch.tensor(0), x), ()
         )[1],
-        "cond": lambda: torch.ops.hop.cond(cond, lambda v: _hidden_scale(_hidden_scale(v)), torch.sin, (x,)),
+        "cond": lambda: torch.ops.hop.cond(cond, twice, torch.sin, (x,)),
+        "switch": lambda: torch.ops.hop.switch(torch.tensor(1), (x,), torch.sin, twice),
+        "map": lambda: torch.ops.hop.map(twice, (x.unsqueeze(0),), ()),
         "scan": lambda: torch.ops.hop.scan(scan_body, (x,), (torch.ones(2, 3),), (), False)[0],
     }
     for name, run in runs.items():
