@@ -25,10 +25,13 @@ paths read real tensor values. Under Dynamo they skip all that: their
 ``is_dynamo_compiling()`` line passes their own arguments to the raw op behind the
 marker ``hop._transforms.DYNAMO_CALL``, and the raw op's handler does the
 function's work at trace time, on variables (Note [public functions under Dynamo]).
-This is chosen over ``torch.compiler.substitute_in_graph`` twins: the same line
-serves when Dynamo compiles a public function's own frame (``torch.compile(hop.cond)``,
-or the frame Dynamo meets after a graph break at its call), and its fallback, the
-raw op run eagerly with the marker, runs the public function itself.
+That line serves when Dynamo compiles a public function's own frame
+(``torch.compile(hop.cond)``, or the frame Dynamo meets after a graph break at its
+call), and its fallback, the raw op run eagerly with the marker, runs the public
+function itself. Where Dynamo inlines a call of a public function, it does not trace
+the body down to that line: ``_dynamo_public`` makes the same raw op call straight
+away, so that the compiled code's guards do not check what the body reads (Note
+[public functions, inlined]).
 
 What the compiled path cannot capture (a function writing its inputs in place,
 ``while_loop(checkpoint=True)``, an operator with no handler) raises
@@ -45,7 +48,8 @@ Private torch API used here and in the handler modules (each listed, with the re
 ``make_attr``, ``_make_inlined``, ``wrap_fx_proxy``, ``SourcelessBuilder``,
 ``LazyVariableTracker``, ``get_fake_value``, ``torch._dynamo.exc.Unsupported``,
 ``OutputGraph.install_subgraph``, ``SubgraphTracer.create_graph_input`` and
-``bound_symbols``, ``set_code_exec_strategy`` / ``FrameExecStrategy``.
+``bound_symbols``, ``set_code_exec_strategy`` / ``FrameExecStrategy``,
+``VariableBuilder._id_dispatch``, ``UserFunctionVariable``, ``install_guard``.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def _install(dynamo: ModuleType) -> None:
     _installed = True
     from torch._dynamo.variables import higher_order_ops
 
-    from hop.compile import _dynamo_branching, _dynamo_scans, _dynamo_while
+    from hop.compile import _dynamo_branching, _dynamo_public, _dynamo_scans, _dynamo_while
 
     handlers = {**_dynamo_branching.HANDLERS, **_dynamo_while.HANDLERS, **_dynamo_scans.HANDLERS}
     table: dict[str, Any] = higher_order_ops._hop_name_to_variable_class
@@ -78,6 +82,7 @@ def _install(dynamo: ModuleType) -> None:
         table[name] = _Entry(table.get(name), handlers)
     higher_order_ops._hop_name_to_variable_class = _Table(table, handlers)
     _run_ops_outside_dynamo()
+    _dynamo_public.install()  # Note [public functions, inlined]
     _torch_control_flow_is_not_fakeable()
 
 
