@@ -20,7 +20,7 @@ import dataclasses
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -41,7 +41,17 @@ from torch._dynamo.variables.tensor import SymNodeVariable
 from hop import _effects, _observe
 from hop._transforms import DYNAMO_CALL
 from hop.compile._dynamo_errors import hop_errors_break_graph, unsupported
-from hop.compile._dynamo_values import VT, constant, example, items
+from hop.compile._dynamo_values import (
+    VT,
+    Spec,
+    constant,
+    example,
+    flatten,
+    flatten_plain,
+    items,
+    python_spec,
+    unflatten,
+)
 from hop.errors import HopError
 
 __all__ = [
@@ -80,11 +90,10 @@ class Subgraph:
     graph: torch.fx.Graph
     lifted: dict[torch.fx.Proxy, torch.fx.Proxy]  # parent value -> placeholder
     outputs: list[VT]  # flat, in torch.utils._pytree's order
-    spec: VT  # the structure of what the callable returned
+    spec: pytree.TreeSpec  # the structure of what the callable returned
 
     def out_spec(self) -> pytree.TreeSpec:
-        spec: pytree.TreeSpec = self.spec.as_python_constant()
-        return spec
+        return self.spec
 
 
 # Note [values a subgraph reads stay readable]
@@ -112,6 +121,8 @@ def reads_kept_in_root(tx: Any) -> Iterator[None]:
     finally:
         for source in [k for k in cache if k not in before]:
             vt = cache[source]
+            if type(vt) is LazyVariableTracker and not vt.is_realized():
+                continue  # never read (reading its attributes would build it, and guard it)
             proxy = getattr(vt, "proxy", None)  # tensors' and symbolic numbers' variables
             if not isinstance(proxy, torch.fx.Proxy) or proxy.tracer is out.root_tracer:
                 continue
@@ -123,20 +134,46 @@ def reads_kept_in_root(tx: Any) -> Iterator[None]:
                 del cache[source]
 
 
+class _Flat(VT):
+    """``fn`` as hop has Dynamo trace it: taking the leaves of its arguments, when
+    ``in_spec`` gives their structure, and returning the leaves of its result, whose
+    structure it keeps in ``out_spec`` (Note [pytrees read without tracing])."""
+
+    def __init__(self, fn: VT, in_spec: Spec | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fn = fn
+        self.in_spec = in_spec
+        self.out_spec: pytree.TreeSpec | None = None
+
+    def call_function(self, tx: Any, args: Sequence[VT], kwargs: dict[str, VT]) -> VT:
+        if self.in_spec is not None:
+            args = items(tx, unflatten(tx, args, self.in_spec))
+        leaves, spec = flatten(tx, self.fn.call_function(tx, list(args), kwargs))
+        self.out_spec = python_spec(spec)  # a variable made here dies with the subgraph's side effects
+        flat: VT = TupleVariable(list(leaves))
+        return flat
+
+
 def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgraph:
     """Trace ``fn(*args)`` into a subgraph taking the leaves of ``args`` then what it lifts."""
     name = op.__name__
+    sub_args = list(args)
+    inputs: Literal["flatten_manual", "manual"] = "flatten_manual"
+    plain = flatten_plain(args)
+    if plain is not None:  # Note [pytrees read without tracing]: Dynamo need not flatten them
+        sub_args, inputs = plain[0], "manual"
+    flat = _Flat(fn, None if plain is None else plain[1])
     try:
         with reads_kept_in_root(tx):  # Note [values a subgraph reads stay readable]
-            (out, spec), graph, lifted = speculate_subgraph(
+            (out, _), graph, lifted = speculate_subgraph(
                 tx,
-                fn,
-                list(args),
+                flat,
+                sub_args,
                 {},
                 f"hop.{name} {role}",
                 source_target=op,
-                set_subgraph_inputs="flatten_manual",
-                should_flatten_outputs=True,
+                set_subgraph_inputs=inputs,
+                should_flatten_outputs=False,  # flat flattens them
                 remove_consts_from_outputs=False,
                 supports_input_mutation=True,
                 supports_aliasing=True,
@@ -177,7 +214,8 @@ def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgra
             fix=f"Call {effect} outside the operator, or outside the compiled function.",
         )
     _unbatch_placeholders(graph)
-    return Subgraph(graph, dict(lifted), items(tx, out), cast(VT, spec.treespec))  # a variable, despite its annotation
+    assert flat.out_spec is not None, "speculate_subgraph returned without calling the callable"
+    return Subgraph(graph, dict(lifted), items(tx, out), flat.out_spec)
 
 
 def _unbatch_placeholders(graph: torch.fx.Graph) -> None:

@@ -43,6 +43,7 @@ from hop.compile._dynamo_values import (
     items,
     method,
     proxies,
+    python_spec,
     unflatten,
     with_none,
     without_none,
@@ -196,7 +197,7 @@ class AssociativeScanVariable(HopVariable):
         moved = [method(tx, x, "flip", 0) for x in moved] if reverse else moved
         lhs, rhs = (with_none(_slices(tx, moved), leaves_all) for _ in range(2))
         body = speculate(tx, self.value, "combine_fn", combine_fn, [unflatten(tx, lhs, spec), unflatten(tx, rhs, spec)])
-        py_spec = spec.as_python_constant()
+        py_spec = python_spec(spec)
         out_tree = pytree.tree_unflatten([example(o) for o in body.outputs], body.out_spec())
         lhs_tree = pytree.tree_unflatten([example(x) for x in lhs], py_spec)
         _loop_checks.check_like(name, "combine_fn", fn, lhs_tree, out_tree, "output", "xs and the output")

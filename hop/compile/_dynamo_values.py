@@ -35,14 +35,17 @@ __all__ = [
     "example_tree",
     "flatten",
     "fresh",
+    "flatten_plain",
     "fresh_input",
     "is_none",
     "items",
     "method",
     "proxies",
+    "python_spec",
     "shown",
     "unbound_dims",
     "unflatten",
+    "Spec",
     "with_none",
     "without_none",
 ]
@@ -61,15 +64,99 @@ def items(tx: Any, vt: VT) -> list[VT]:
     return list(vt.unpack_var_sequence(tx))
 
 
-def flatten(tx: Any, tree: VT) -> tuple[list[VT], VT]:
+Spec = VT | pytree.TreeSpec
+"""A pytree's structure: a variable (what Dynamo's inlined pytree code made) or the
+:class:`~torch.utils._pytree.TreeSpec` itself (what :func:`flatten` read directly)."""
+
+
+# Note [pytrees read without tracing]
+# Dynamo turns what it traces into guards, checked before every call of the compiled
+# code, and torch's pytree code reads the type of each leaf and torch's registry of node
+# types (about thirty guards for a tuple of tensors). Most operands are tuples and lists
+# of tensors and numbers: those are read here, in Python, at trace time, and their
+# structure built from variables directly, with no guard (the tuple's and list's
+# lengths are already fixed by what made them). Any other node (a dict, a named tuple,
+# a registered class, ``None``) goes through torch's pytree code, traced as before.
+
+_PLAIN_NODES = (tuple, list)
+
+
+def _plain(tree: VT) -> Any:
+    """``tree`` as nested tuples and lists of its leaf variables, or ``None`` when it has
+    any other node (Note [pytrees read without tracing])."""
+    from torch._dynamo.variables import ListVariable, TupleVariable
+
+    tree = tree.realize()
+    if isinstance(tree, (TupleVariable, ListVariable)) and type(tree) in (TupleVariable, ListVariable):
+        children = [_plain(item) for item in tree.items]
+        if any(child is None for child in children):
+            return None
+        return tuple(children) if type(tree) is TupleVariable else children
+    if tree.is_tensor() or isinstance(tree, SymNodeVariable):
+        return _Leaf(tree)
+    if isinstance(tree, ConstantVariable) and type(tree.value) in (bool, int, float, complex, str):
+        return _Leaf(tree)
+    return None
+
+
+class _Leaf:
+    """A leaf variable held in a plain tree (torch's pytree takes any other object as a leaf)."""
+
+    __slots__ = ("vt",)
+
+    def __init__(self, vt: VT) -> None:
+        self.vt = vt
+
+
+def flatten(tx: Any, tree: VT) -> tuple[list[VT], Spec]:
     """Leaves and structure of a pytree of variables (torch.utils._pytree's order)."""
-    leaves, spec = items(tx, _make_inlined(tx, pytree.tree_flatten)(tree))
-    return items(tx, leaves), spec
+    plain = _plain(tree)
+    if plain is not None:
+        leaves, spec = pytree.tree_flatten(plain)
+        return [leaf.vt for leaf in leaves], spec
+    leaves_vt, spec_vt = items(tx, _make_inlined(tx, pytree.tree_flatten)(tree))
+    return items(tx, leaves_vt), spec_vt
 
 
-def unflatten(tx: Any, leaves: Sequence[VT], spec: VT | pytree.TreeSpec) -> VT:
+def flatten_plain(trees: Sequence[VT]) -> tuple[list[VT], pytree.TreeSpec] | None:
+    """Leaves and structure of the list ``trees`` when every tree in it is plain (Note
+    [pytrees read without tracing]), else ``None``."""
+    plain = [_plain(tree) for tree in trees]
+    if any(p is None for p in plain):
+        return None
+    leaves, spec = pytree.tree_flatten(plain)
+    return [leaf.vt for leaf in leaves], spec
+
+
+def python_spec(spec: Spec) -> pytree.TreeSpec:
+    """The :class:`~torch.utils._pytree.TreeSpec` a :data:`Spec` stands for."""
+    if isinstance(spec, pytree.TreeSpec):
+        return spec
+    made: pytree.TreeSpec = spec.as_python_constant()
+    return made
+
+
+def unflatten(tx: Any, leaves: Sequence[VT], spec: Spec) -> VT:
+    """The pytree of variables with structure ``spec`` and these leaves."""
+    if isinstance(spec, pytree.TreeSpec) and _is_plain(spec):
+        if spec.num_leaves != len(leaves):
+            raise AssertionError(f"{len(leaves)} leaves for a structure of {spec.num_leaves}")
+        return _build(tx, spec, iter(leaves))
     spec_vt = spec if isinstance(spec, VT) else SourcelessBuilder.create(tx, spec)
     return _make_inlined(tx, pytree.tree_unflatten)(SourcelessBuilder.create(tx, list(leaves)), spec_vt)
+
+
+def _is_plain(spec: pytree.TreeSpec) -> bool:
+    return spec.is_leaf() or (spec.type in _PLAIN_NODES and all(_is_plain(c) for c in spec.children()))
+
+
+def _build(tx: Any, spec: pytree.TreeSpec, leaves: Any) -> VT:
+    if spec.is_leaf():
+        leaf: VT = next(leaves)
+        return leaf
+    children = [_build(tx, child, leaves) for child in spec.children()]
+    made: VT = SourcelessBuilder.create(tx, spec.type(children))
+    return made
 
 
 def is_none(vt: VT) -> bool:
@@ -127,7 +214,7 @@ def shown(vt: VT) -> Any:
 def example_tree(tx: Any, tree: VT) -> Any:
     """``tree`` with every leaf replaced by :func:`example`, for hop's eager checks."""
     leaves, spec = flatten(tx, tree)
-    return pytree.tree_unflatten([example(leaf) for leaf in leaves], spec.as_python_constant())
+    return pytree.tree_unflatten([example(leaf) for leaf in leaves], python_spec(spec))
 
 
 def callable_stand_in(tx: Any, vt: VT) -> Any:

@@ -37,6 +37,7 @@ from hop.compile._dynamo_capture import (
 from hop.compile._dynamo_errors import as_graph_break, unsupported
 from hop.compile._dynamo_values import (
     VT,
+    Spec,
     callable_stand_in,
     constant,
     example,
@@ -47,6 +48,7 @@ from hop.compile._dynamo_values import (
     items,
     method,
     proxies,
+    python_spec,
     shown,
     unbound_dims,
     unflatten,
@@ -161,7 +163,7 @@ class WhileLoopVariable(HopVariable):
         """One while_loop node; its final carry's leaves."""
         leaves, spec = flatten(tx, TupleVariable(list(carried)))
         values = [example(leaf) for leaf in leaves]
-        py_spec = spec.as_python_constant()
+        py_spec = python_spec(spec)
         varying = [set() if isinstance(v, torch.Tensor) else {0} for v in values]
         on_tensors = False  # Note [int carries in a traced condition] (hop.ops._while_ints)
         for _ in range(8):  # Note [while_loop carries in Dynamo]
@@ -185,7 +187,7 @@ class WhileLoopVariable(HopVariable):
         out = emit(tx, self.value, (*graphs, inits, (*proxies(additional), *lifted)))
         return output_items(out)
 
-    def trace_cond(self, tx: Any, cond_fn: VT, generic: list[VT], spec: VT, additional: list[VT]) -> Subgraph:
+    def trace_cond(self, tx: Any, cond_fn: VT, generic: list[VT], spec: Spec, additional: list[VT]) -> Subgraph:
         """cond_fn traced on SymInt int carries or, where it cannot be, on 0-dim int64
         tensors (Note [int carries in a traced condition], hop.ops._while_ints)."""
         slots = tuple(k for k, g in enumerate(generic) if isinstance(example(g), torch.SymInt))
@@ -200,7 +202,7 @@ class WhileLoopVariable(HopVariable):
         return self.trace(tx, "cond_fn", tensors, generic, spec, additional)
 
     def trace_body(
-        self, tx: Any, body_fn: VT, generic: list[VT], spec: VT, additional: list[VT], on_tensors: bool
+        self, tx: Any, body_fn: VT, generic: list[VT], spec: Spec, additional: list[VT], on_tensors: bool
     ) -> tuple[Subgraph, bool]:
         """body_fn traced on SymInt int carries or, where it cannot be (or could not be in
         an earlier pass, ``on_tensors``), given them as 0-dim int64 tensors, its int outputs
@@ -218,7 +220,7 @@ class WhileLoopVariable(HopVariable):
         wrapped = partial.call_function(tx, [on_tensors_fn, constant(slots), body_fn], {})
         return self.trace_items(tx, wrapped, generic, spec, additional), True
 
-    def trace_items(self, tx: Any, fn: VT, generic: list[VT], spec: VT, additional: list[VT]) -> Subgraph:
+    def trace_items(self, tx: Any, fn: VT, generic: list[VT], spec: Spec, additional: list[VT]) -> Subgraph:
         """``fn`` traced where ``.item()`` is captured as a SymInt (not a graph break)."""
         fake_mode = tx.output.fake_mode
         allowed = fake_mode.allow_scalar_outputs
@@ -229,7 +231,7 @@ class WhileLoopVariable(HopVariable):
         finally:
             fake_mode.allow_scalar_outputs = allowed
 
-    def trace(self, tx: Any, role: str, fn: VT, generic: list[VT], spec: VT, additional: list[VT]) -> Subgraph:
+    def trace(self, tx: Any, role: str, fn: VT, generic: list[VT], spec: Spec, additional: list[VT]) -> Subgraph:
         """``fn`` traced on generalized carries: their unbacked sizes are read from the
         carries inside the subgraph (Note [while_loop carries in Dynamo])."""
         reads = [(k, d) for k, g in enumerate(generic) for d in unbound_dims(example(g))]
