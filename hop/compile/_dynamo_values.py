@@ -28,14 +28,15 @@ from torch._dynamo.variables.tensor import SymNodeVariable
 
 __all__ = [
     "VT",
+    "Spec",
     "callable_stand_in",
     "constant",
     "drop_none_outputs",
     "example",
     "example_tree",
     "flatten",
-    "fresh",
     "flatten_plain",
+    "fresh",
     "fresh_input",
     "is_none",
     "items",
@@ -45,7 +46,6 @@ __all__ = [
     "shown",
     "unbound_dims",
     "unflatten",
-    "Spec",
     "with_none",
     "without_none",
 ]
@@ -87,6 +87,7 @@ def _plain(tree: VT) -> Any:
     from torch._dynamo.variables import ListVariable, TupleVariable
 
     tree = tree.realize()
+    # exactly a tuple or a list: a named tuple's variable is a TupleVariable too
     if isinstance(tree, (TupleVariable, ListVariable)) and type(tree) in (TupleVariable, ListVariable):
         children = [_plain(item) for item in tree.items]
         if any(child is None for child in children):

@@ -35,6 +35,14 @@ def torch_loop(x: torch.Tensor) -> torch.Tensor:
     return while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, LIN(v)), (torch.tensor(0), x))[1]
 
 
+def hop_others(x: torch.Tensor) -> torch.Tensor:
+    c, ys = hop.scan(lambda c, r: (LIN(c) + r, c), torch.zeros(4), x)
+    m = hop.map(lambda r: LIN(r), ys)
+    s = hop.switch(torch.tensor(1), [lambda v: v, lambda v: LIN(v), lambda v: v * 2], (m,))
+    f = hop.fori_loop(0, 2, lambda i, v: LIN(v), s)
+    return hop.associative_scan(lambda a, b: a + b, f, 0) + c
+
+
 def guards(fn: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
     """The lines of the guard tree Dynamo built for ``fn``'s one compiled entry."""
     torch._dynamo.reset()
@@ -48,7 +56,7 @@ def guards(fn: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
 def test_no_guard_reads_what_the_public_function_reads() -> None:
     # failed before: Dynamo traced hop.cond's body (the eager fast path's flags, front,
     # hop.ops._common, hop._transforms) and torch's pytree registry, about 40 guards more
-    for fn in (hop_cond, hop_loop):
+    for fn in (hop_cond, hop_loop, hop_others):
         lines = guards(fn)
         assert not [line for line in lines if "__import_hop_dot_ops" in line], fn.__name__
         assert not [line for line in lines if "SUPPORTED_NODES))[" in line], fn.__name__  # a registry entry
