@@ -20,7 +20,7 @@ import dataclasses
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.fx
@@ -50,6 +50,7 @@ from hop.compile._dynamo_values import (
     flatten_plain,
     items,
     python_spec,
+    rebuilds,
     unflatten,
 )
 from hop.errors import HopError
@@ -90,10 +91,10 @@ class Subgraph:
     graph: torch.fx.Graph
     lifted: dict[torch.fx.Proxy, torch.fx.Proxy]  # parent value -> placeholder
     outputs: list[VT]  # flat, in torch.utils._pytree's order
-    spec: pytree.TreeSpec  # the structure of what the callable returned
+    spec: Spec  # the structure of what the callable returned
 
     def out_spec(self) -> pytree.TreeSpec:
-        return self.spec
+        return python_spec(self.spec)
 
 
 # Note [values a subgraph reads stay readable]
@@ -135,20 +136,25 @@ def reads_kept_in_root(tx: Any) -> Iterator[None]:
 
 
 class _Flat(VT):
-    """``fn`` as hop has Dynamo trace it: taking the leaves of its arguments, when
-    ``in_spec`` gives their structure, and returning the leaves of its result, whose
-    structure it keeps in ``out_spec`` (Note [pytrees read without tracing])."""
+    """``fn`` as hop has Dynamo trace it: taking the leaves of its arguments when
+    ``in_spec`` gives their structure, and, when ``flat_out``, returning the leaves of
+    its result, whose structure it keeps in ``out_spec`` (Note [pytrees read without
+    tracing])."""
 
-    def __init__(self, fn: VT, in_spec: Spec | None, **kwargs: Any) -> None:
+    def __init__(self, fn: VT, in_spec: Spec | None, flat_out: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fn = fn
         self.in_spec = in_spec
+        self.flat_out = flat_out
         self.out_spec: pytree.TreeSpec | None = None
 
     def call_function(self, tx: Any, args: Sequence[VT], kwargs: dict[str, VT]) -> VT:
         if self.in_spec is not None:
             args = items(tx, unflatten(tx, args, self.in_spec))
-        leaves, spec = flatten(tx, self.fn.call_function(tx, list(args), kwargs))
+        result: VT = self.fn.call_function(tx, list(args), kwargs)
+        if not self.flat_out:
+            return result
+        leaves, spec = flatten(tx, result)
         self.out_spec = python_spec(spec)  # a variable made here dies with the subgraph's side effects
         flat: VT = TupleVariable(list(leaves))
         return flat
@@ -156,16 +162,23 @@ class _Flat(VT):
 
 def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgraph:
     """Trace ``fn(*args)`` into a subgraph taking the leaves of ``args`` then what it lifts."""
+    sub = _speculate(tx, op, role, fn, args, flat_out=True)
+    if not rebuilds(sub.spec):  # Note [pytrees read without tracing]: Dynamo's pytree code must rebuild it
+        sub = _speculate(tx, op, role, fn, args, flat_out=False)
+    return sub
+
+
+def _speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT], flat_out: bool) -> Subgraph:
     name = op.__name__
     sub_args = list(args)
     inputs: Literal["flatten_manual", "manual"] = "flatten_manual"
     plain = flatten_plain(args)
     if plain is not None:  # Note [pytrees read without tracing]: Dynamo need not flatten them
         sub_args, inputs = plain[0], "manual"
-    flat = _Flat(fn, None if plain is None else plain[1])
+    flat = _Flat(fn, None if plain is None else plain[1], flat_out)
     try:
         with reads_kept_in_root(tx):  # Note [values a subgraph reads stay readable]
-            (out, _), graph, lifted = speculate_subgraph(
+            (out, out_spec), graph, lifted = speculate_subgraph(
                 tx,
                 flat,
                 sub_args,
@@ -173,7 +186,7 @@ def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgra
                 f"hop.{name} {role}",
                 source_target=op,
                 set_subgraph_inputs=inputs,
-                should_flatten_outputs=False,  # flat flattens them
+                should_flatten_outputs=not flat_out,
                 remove_consts_from_outputs=False,
                 supports_input_mutation=True,
                 supports_aliasing=True,
@@ -214,8 +227,9 @@ def speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT]) -> Subgra
             fix=f"Call {effect} outside the operator, or outside the compiled function.",
         )
     _unbatch_placeholders(graph)
-    assert flat.out_spec is not None, "speculate_subgraph returned without calling the callable"
-    return Subgraph(graph, dict(lifted), items(tx, out), flat.out_spec)
+    spec = flat.out_spec if flat_out else cast(VT, out_spec.treespec)  # a variable, despite its annotation
+    assert spec is not None, "speculate_subgraph returned without calling the callable"
+    return Subgraph(graph, dict(lifted), items(tx, out), spec)
 
 
 def _unbatch_placeholders(graph: torch.fx.Graph) -> None:

@@ -13,9 +13,10 @@ Everything here imports torch._dynamo: it is loaded only once Dynamo is.
 
 from __future__ import annotations
 
+import collections
 import types
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx
@@ -43,6 +44,7 @@ __all__ = [
     "method",
     "proxies",
     "python_spec",
+    "rebuilds",
     "shown",
     "unbound_dims",
     "unflatten",
@@ -73,12 +75,15 @@ Spec = VT | pytree.TreeSpec
 # Dynamo turns what it traces into guards, checked before every call of the compiled
 # code, and torch's pytree code reads the type of each leaf and torch's registry of node
 # types (about thirty guards for a tuple of tensors). Most operands are tuples and lists
-# of tensors and numbers: those are read here, in Python, at trace time, and their
-# structure built from variables directly, with no guard (the tuple's and list's
-# lengths are already fixed by what made them). Any other node (a dict, a named tuple,
-# a registered class, ``None``) goes through torch's pytree code, traced as before.
-
-_PLAIN_NODES = (tuple, list)
+# of tensors and numbers: those are read here, in Python, at trace time, with no guard
+# (the tuple's and list's lengths are already fixed by what made them). Any other
+# node (a dict, a named tuple, a registered class, ``None``) goes through torch's
+# pytree code, traced as before. What a traced callable returns is flattened the same
+# way, inside its trace, and its structure kept as a TreeSpec; a tree is rebuilt from
+# a TreeSpec by torch's pytree in Python, with the leaf variables as leaves, when its
+# nodes are tuples, lists, dicts or named tuples, whose variables Dynamo then makes. A
+# callable returning any other structure is traced again, with Dynamo flattening its
+# result and keeping the structure as a variable.
 
 
 def _plain(tree: VT) -> Any:
@@ -139,25 +144,24 @@ def python_spec(spec: Spec) -> pytree.TreeSpec:
 
 def unflatten(tx: Any, leaves: Sequence[VT], spec: Spec) -> VT:
     """The pytree of variables with structure ``spec`` and these leaves."""
-    if isinstance(spec, pytree.TreeSpec) and _is_plain(spec):
-        if spec.num_leaves != len(leaves):
-            raise AssertionError(f"{len(leaves)} leaves for a structure of {spec.num_leaves}")
-        return _build(tx, spec, iter(leaves))
+    if rebuilds(spec):
+        made: VT = SourcelessBuilder.create(tx, pytree.tree_unflatten(list(leaves), spec))
+        return made
     spec_vt = spec if isinstance(spec, VT) else SourcelessBuilder.create(tx, spec)
     return _make_inlined(tx, pytree.tree_unflatten)(SourcelessBuilder.create(tx, list(leaves)), spec_vt)
 
 
-def _is_plain(spec: pytree.TreeSpec) -> bool:
-    return spec.is_leaf() or (spec.type in _PLAIN_NODES and all(_is_plain(c) for c in spec.children()))
+_REBUILT = (tuple, list, dict, collections.OrderedDict, collections.namedtuple)
 
 
-def _build(tx: Any, spec: pytree.TreeSpec, leaves: Any) -> VT:
-    if spec.is_leaf():
-        leaf: VT = next(leaves)
-        return leaf
-    children = [_build(tx, child, leaves) for child in spec.children()]
-    made: VT = SourcelessBuilder.create(tx, spec.type(children))
-    return made
+def rebuilds(spec: Spec) -> TypeGuard[pytree.TreeSpec]:
+    """Whether :func:`unflatten` builds ``spec``'s tree itself, from Python containers of
+    variables: tuples, lists, dicts, ordered dicts and named tuples (whose variables
+    Dynamo makes from such containers); any other structure stays a variable, for
+    Dynamo's traced pytree code (Note [pytrees read without tracing])."""
+    if not isinstance(spec, pytree.TreeSpec):
+        return False
+    return spec.is_leaf() or (spec.type in _REBUILT and all(rebuilds(c) for c in spec.children()))
 
 
 def is_none(vt: VT) -> bool:

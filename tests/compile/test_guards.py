@@ -5,6 +5,7 @@ without tracing]). hop's calls add no more of them than torch's own operators do
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import torch
@@ -41,6 +42,9 @@ def hop_others(x: torch.Tensor) -> torch.Tensor:
     s = hop.switch(torch.tensor(1), [lambda v: v, lambda v: LIN(v), lambda v: v * 2], (m,))
     f = hop.fori_loop(0, 2, lambda i, v: LIN(v), s)
     return hop.associative_scan(lambda a, b: a + b, f, 0) + c
+
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
 
 
 def guards(fn: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
@@ -104,3 +108,25 @@ def test_nested_tuples_and_lists_keep_their_structure() -> None:
         assert type(out) is list and type(out[1]) is tuple
     assert type(got[1][1][1]) is dict
     torch.testing.assert_close(got, want)
+
+
+def test_named_tuples_dicts_and_other_structures_come_back_whole() -> None:
+    # failed in a first version: a named tuple returned by a branch was rebuilt from a
+    # TreeSpec Dynamo cannot read (KeyError: namedtuple); a deque is a structure hop
+    # leaves to Dynamo's pytree code, by tracing the branch again
+    def fn(x: torch.Tensor) -> tuple[object, object, object]:
+        pair = hop.cond(x.sum() > 0, lambda v: Pair(v + 1, {"k": v * 2}), lambda v: Pair(v - 1, {"k": v}), (x,))
+        carry, ys = hop.scan(lambda c, r: (Pair(c.a + r, c.b), {"y": (c.a, r)}), Pair(x[0], x[1]), x)
+        queue = hop.cond(
+            x.sum() > 0, lambda v: collections.deque([v + 1, v]), lambda v: collections.deque([v, v]), (x,)
+        )
+        return pair, (carry, ys), queue
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="eager", fullgraph=True)(X)
+    want = fn(X)
+    assert type(got[0]) is Pair and type(got[0].b) is dict
+    assert type(got[1][0]) is Pair and type(got[1][1]) is dict
+    assert type(got[2]) is collections.deque
+    torch.testing.assert_close(got[:2], want[:2])
+    torch.testing.assert_close(list(got[2]), list(want[2]))
