@@ -37,7 +37,7 @@ from hop import _reference
 from hop._transforms import DYNAMO_CALL
 from hop.compile._dynamo_values import VT
 
-__all__ = ["PublicFunctionVariable", "install"]
+__all__ = ["PublicFunctionVariable", "install", "public_functions"]
 
 
 class PublicFunctionVariable(UserFunctionVariable):
@@ -59,9 +59,9 @@ class PublicFunctionVariable(UserFunctionVariable):
         return made
 
 
-def install() -> None:
-    """Give each public function :class:`PublicFunctionVariable` in Dynamo's table of
-    variables built by object identity."""
+def public_functions() -> list[tuple[Callable[..., Any], Any]]:
+    """Each public function with the raw op it calls (the one list of them the Dynamo
+    bridge keeps)."""
     from hop.ops.associative_scan import associative_scan, associative_scan_op
     from hop.ops.cond import cond, cond_op
     from hop.ops.fori_loop import fori_loop
@@ -70,8 +70,7 @@ def install() -> None:
     from hop.ops.switch import switch, switch_op
     from hop.ops.while_loop import while_loop, while_loop_op
 
-    table = VariableBuilder._id_dispatch()
-    for public, op in (
+    return [
         (cond, cond_op),
         (switch, switch_op),
         (while_loop, while_loop_op),
@@ -79,7 +78,14 @@ def install() -> None:
         (map, map_op),
         (scan, scan_op),
         (associative_scan, associative_scan_op),
-    ):
+    ]
+
+
+def install() -> None:
+    """Give each public function :class:`PublicFunctionVariable` in Dynamo's table of
+    variables built by object identity."""
+    table = VariableBuilder._id_dispatch()
+    for public, op in public_functions():
         table[id(public)] = _builder(op)
 
 

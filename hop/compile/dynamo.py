@@ -108,24 +108,19 @@ def _run_ops_outside_dynamo() -> None:
     A public function's own frame may be compiled (``torch.compile(hop.cond)``; or the
     frame Dynamo meets after a graph break at its call): its ``is_dynamo_compiling()``
     line makes that one graph of the raw op. What such a frame calls while running
-    eagerly is never compiled (the eager paths, when a capture fell back). Dynamo
-    traces through the public functions when it inlines them."""
+    eagerly is never compiled (the eager paths, when a capture fell back). Where Dynamo
+    inlines a call of a public function, it calls the raw op without tracing the body
+    (Note [public functions, inlined])."""
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     from hop._operator import HigherOrderOperator
-    from hop.ops.associative_scan import associative_scan
-    from hop.ops.cond import cond
-    from hop.ops.fori_loop import fori_loop
-    from hop.ops.map import map
-    from hop.ops.scan import scan
-    from hop.ops.switch import SwitchOp, switch
-    from hop.ops.while_loop import while_loop
+    from hop.compile._dynamo_public import public_functions
+    from hop.ops.switch import SwitchOp
 
-    public = (cond, switch, while_loop, fori_loop, map, scan, associative_scan)
     calls = (HigherOrderOperator.__call__, HigherOrderOperator.dispatch, SwitchOp.__call__)
     for call in calls:
         set_code_exec_strategy(call.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
-    for fn in public:
+    for fn, _ in public_functions():
         set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.SKIP))
 
 

@@ -178,23 +178,24 @@ def _segment_grads(
     return out, list(got[len(diff) :])
 
 
-def _check_reads_found(outputs: list[torch.Tensor], inputs: list[torch.Tensor], budget: int = 100_000) -> None:
+def _check_reads_found(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
     """Raise if the replayed iterations read a tensor that requires grad other than
     ``inputs`` (the carries and what the static closure search found): its gradient
     would be lost silently (read through ``getattr`` with a computed name, say). A walk
     of the replay's autograd graph, stopping at ``inputs``; a leaf it reaches that is
-    not one of them is such a tensor (or feeds one that is not a leaf)."""
+    not one of them is such a tensor (or feeds one that is not a leaf). It visits each
+    node once, as the backward that follows does: no cap, which would let a large
+    replay skip the check silently."""
     # by gradient edge, not identity: a saved tensor unpacked by hooks is another object;
     # the dicts keep the nodes alive, so their ids stay theirs
     stops = {id(n): n for n in (get_gradient_edge(t).node for t in inputs if t.requires_grad)}
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
     seen: dict[int, Any] = {}
-    while stack and budget:
+    while stack:
         node = stack.pop()
         if id(node) in seen or id(node) in stops:
             continue
         seen[id(node)] = node
-        budget -= 1
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
         if isinstance(variable, torch.Tensor):
             raise HopRuntimeError(
