@@ -193,8 +193,10 @@ def _unreached(outputs: Sequence[Any], reads: Sequence[torch.Tensor], budget: in
 
 
 def _accumulate_grad_type() -> type:
-    leaf = torch.zeros(1, requires_grad=True)
-    return type(leaf.view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+    # hop may be imported lazily under no_grad or inference_mode (an inference server)
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.zeros(1, requires_grad=True)
+        return type(leaf.view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
 
 
 _AccumulateGrad = ACCUMULATE_GRAD = _accumulate_grad_type()
