@@ -28,6 +28,7 @@ from torch._dynamo.variables.higher_order_ops import discard_graph_changes
 from torch._dynamo.variables.tensor import SymNodeVariable
 
 __all__ = [
+    "BATCHED_EXAMPLE",
     "VT",
     "Spec",
     "callable_stand_in",
@@ -192,11 +193,18 @@ def drop_none_outputs(graph: torch.fx.Graph) -> None:
         out.args = (tuple(v for v in values if v is not None),)
 
 
+BATCHED_EXAMPLE = "hop_batched_example"
+"""The meta key of a subgraph placeholder's value under vmap, as the callable sees it
+(``_dynamo_capture._unbatch_placeholders`` leaves the tensor under the batch wrappers
+in ``example_value``)."""
+
+
 def example(vt: VT) -> Any:
     """The value a leaf variable stands for: a fake tensor, a SymInt, a constant, or the object."""
     vt = vt.realize()
     if vt.is_tensor():
-        return vt.as_proxy().node.meta["example_value"]
+        meta = vt.as_proxy().node.meta
+        return meta.get(BATCHED_EXAMPLE, meta["example_value"])
     if isinstance(vt, SymNodeVariable):
         return vt.sym_num
     if vt.is_python_constant():

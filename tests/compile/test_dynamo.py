@@ -543,3 +543,32 @@ def test_a_branch_returning_a_closed_over_operand_exports(strict: bool) -> None:
     ep = torch.export.export(M(), (X, X * 3), strict=strict)
     for x in (X, -X):
         assert_close(ep.module()(x, X * 3), M()(x, X * 3))
+
+
+_RETURN_INPUT = {
+    "cond": lambda v: hop.cond(v.sum() > 0, lambda a: a, lambda a: a * 2, (v,)),
+    "switch": lambda v: hop.switch((v.sum() > 0).long(), [lambda a: a, lambda a: a * 2], (v,)),
+    "while_loop": lambda v: hop.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a), (torch.zeros(()), v))[1],
+    "scan": lambda v: hop.scan(lambda c, e: (c, e), v, v)[1],
+    "map": lambda v: hop.map(lambda e, w: w, v, v),
+}
+
+
+@pytest.mark.parametrize("name", _RETURN_INPUT)
+def test_vmap_of_a_callable_returning_its_input(name: str) -> None:
+    """Under torch.vmap a callable that returns an input as it is (an identity branch, a
+    carry left alone) returns a placeholder, whose value hop's checks read with the batch
+    dimension and refused (rank 1 vs 2); compiled and strictly exported it now matches."""
+    fn = _RETURN_INPUT[name]
+    x = torch.randn(4, 3)
+    expected = torch.vmap(fn)(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(torch.vmap(fn), backend="aot_eager", fullgraph=True)(x), expected)
+
+    class M(torch.nn.Module):
+        def forward(self, v: torch.Tensor) -> Any:
+            return torch.vmap(fn)(v)
+
+    ep = torch.export.export(M(), (x,), strict=True)
+    torch.testing.assert_close(ep.module()(x), expected)
+    torch._dynamo.reset()
