@@ -135,12 +135,23 @@ def _to_fake(mode: FakeTensorMode, x: _Tensor) -> _Tensor:
 
 
 _MAX_NESTING = 16
-_hooks_enabled: Callable[[], bool] = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
 _LOCAL = threading.local()
 
 
-def _identity(x: Any) -> Any:
-    return x
+@contextlib.contextmanager
+def _saved_tensors_hooks_set_aside() -> Iterator[None]:
+    # An empty stack, not identity hooks on top of it: torch.func.grad inside a
+    # callable refuses to run while any saved-tensor hooks are pushed.
+    autograd: Any = torch._C._autograd
+    stack = []
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        stack.append(top)
+        autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 @contextlib.contextmanager
@@ -152,13 +163,7 @@ def _isolated() -> Iterator[None]:
     torch.set_autocast_cache_enabled(False)
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
-        # torch.func transforms disable saved-tensor hooks (then no checkpoint can count either)
-        hooks = (
-            torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-            if _hooks_enabled()
-            else contextlib.nullcontext()
-        )
-        with hooks:
+        with _saved_tensors_hooks_set_aside():
             yield
     finally:
         _LOCAL.depth -= 1

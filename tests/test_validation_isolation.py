@@ -434,3 +434,46 @@ def test_hooked_modules_as_branches() -> None:
     out = hop.cond(torch.tensor(False), a, b, (torch.ones(2, 4),))
     assert seen == ["pre", "post"]
     torch.testing.assert_close(out, b(torch.ones(2, 4)))
+
+
+class _GradOfEnergy(torch.nn.Module):
+    """A layer whose forward takes a gradient itself (an HMC leapfrog step's force)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        return torch.func.grad(lambda u: (self.lin(u) ** 2).sum())(v)
+
+
+@pytest.mark.parametrize("op", list(_calls(torch.nn.Identity())))
+def test_torch_func_grad_inside_a_first_call(op: str) -> None:
+    # torch.func.grad refuses to run while saved-tensor hooks are pushed: the
+    # validation run sets the caller's aside instead of pushing its own
+    force = _GradOfEnergy()
+    x = torch.randn(2, 4)
+    out = _calls(force)[op](x)
+    hop.config.validate = "never"
+    torch.testing.assert_close(out, _calls(force)[op](x))
+
+
+@pytest.mark.parametrize("op", list(_calls(torch.nn.Identity())))
+def test_saved_tensor_hooks_see_only_the_real_run(op: str) -> None:
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    packed: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _calls(lin)[op](x).sum().backward()
+        validated = len(packed)
+        packed.clear()
+        hop.config.validate = "never"
+        _calls(lin)[op](x).sum().backward()
+    assert validated == len(packed)
+    assert not any(isinstance(t, FakeTensor) for t in packed)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
