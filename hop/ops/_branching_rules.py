@@ -26,6 +26,7 @@ from hop.ops._common import (
     lower_vmap,
     record_node,
     refuse_legacy_onnx,
+    reverse_tracked,
     save_operands,
     saved_operands,
     trace_callables,
@@ -135,19 +136,30 @@ def _jvp_branch(fn: Fn, diff: Sequence[int], n: int) -> Fn:
     return jvp_branch
 
 
+class _Branches:
+    """The branches as one argument of :class:`_BranchFunction` that pytrees do not
+    flatten: torch's generated vmap rule for a jvp flattens the inputs and pairs their
+    leaves with the tangents, which a tuple of callables put out of step."""
+
+    __slots__ = ("fns",)
+
+    def __init__(self, fns: tuple[Fn, ...]) -> None:
+        self.fns = fns
+
+
 class _BranchFunction(torch.autograd.Function):
     """cond/switch as one autograd node: backward and jvp are cond/switch of the branches' vjp/jvp."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(branching: Branching, sel: Any, branches: tuple[Fn, ...], *operands: Any) -> Any:
-        return branching.call(sel, branches, operands)
+    def forward(branching: Branching, sel: Any, branches: _Branches, *operands: Any) -> Any:
+        return branching.call(sel, branches.fns, operands)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         branching, sel, branches, *operands = inputs
-        ctx.branching, ctx.branches, ctx.n = branching, branches, len(operands)
+        ctx.branching, ctx.branches, ctx.n = branching, branches.fns, len(operands)
         ctx.single = not isinstance(output, tuple)
         ctx.tensor_out = [isinstance(o, torch.Tensor) for o in as_tuple(output)]
         # None, not zeros, for an output without a cotangent and an operand without a
@@ -197,7 +209,7 @@ def _as_node(
     grad become inputs too (Note [closure conversion] in hop._closures)."""
     branches, captured = _closures.convert_closures(branches, operands, level)
     operands = (*operands, *captured)
-    return _BranchFunction.apply(branching, sel, tuple(branches), *operands)  # type: ignore[no-untyped-call]
+    return _BranchFunction.apply(branching, sel, _Branches(tuple(branches)), *operands)  # type: ignore[no-untyped-call]
 
 
 def grad_or_jvp(
@@ -215,6 +227,10 @@ def vmap(branching: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn
     level = interpreter.level()
     (sel_u,), (sel_dim,) = _transforms.unwrap_batched([sel], level)
     if sel_dim is not None:
+        # Note [finished elements are not differentiated] (hop.ops._while_run): the
+        # node selects each element's gradient from its own branch
+        if reverse_tracked([*operands, *_closures.closure_tensors(branches)]):
+            return _as_node(branching, sel, branches, operands)
         return _select_batched(branching, sel, branches, operands)
     if _transforms.is_concrete(sel):
         out = inline(branching, sel, branches, operands)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.fx
-from torch._C._functorch import _add_batch_dim
+from torch._C._functorch import TransformType, _add_batch_dim
 
 from hop import _effects, _lifting, _observe, _observe_calls, _output_checks, _reference, _tracing, _transforms
 from hop._unbacked import assert_ranges, recording
@@ -224,6 +224,56 @@ def trace_callables(
         if checked is None or checked[i]:
             check_effects(op, role, fn, gm, what=writes.what, updates=writes.updates, fix=writes.fix)
     return graphs, lifted
+
+
+def reverse_tracked(values: Sequence[Any]) -> bool:
+    """Whether reverse mode (autograd, or a torch.func grad / vjp level) tracks one of
+    ``values`` beneath its functorch wrappers (a batched tensor reports
+    ``requires_grad=False`` for what it wraps); a forward-mode (jvp) level does not count."""
+    if not torch.is_grad_enabled():
+        return False
+    forward = {i.level() for i in torch._C._functorch.get_interpreter_stack() or () if i.key() == TransformType.Jvp}
+    for t in values:
+        while isinstance(t, _Tensor):
+            wrapped = torch._C._functorch.is_functorch_wrapped_tensor(t)
+            if t.requires_grad and not (wrapped and torch._C._functorch.maybe_get_level(t) in forward):
+                return True
+            t = torch._C._functorch.get_unwrapped(t) if wrapped else None
+    return False
+
+
+# Note [a traced loop's carries are dense]
+# Inductor's while loop (hop's while_loop and fori_loop, and the loops scan and map
+# are rewritten into) lays its outputs out as its carried inputs are and has the body
+# write each iteration's carry into them. A carry whose elements overlap (stride 0:
+# ``zeros(()).expand(n)``, what vmap makes of an unbatched initial carry, or hop's
+# own trip counter broadcast for a batched backward) made the body store n values
+# into one element: every element read back the last one, or the loop never ended,
+# silently. The body is traced on contiguous carries anyway (Note [traced bodies see
+# contiguous values] in ``_looping``), so a traced node takes such a carry as a
+# contiguous copy: one copy per call, before the loop, on every path that traces.
+
+
+def overlapping(x: Any) -> bool:
+    """A tensor two of whose indices address one element (a stride 0 on a dimension
+    longer than one; an unknown size counts as longer)."""
+    if not isinstance(x, _Tensor) or x.layout is not torch.strided:
+        return False
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return any(
+        guard_or_false(stride == 0) and not guard_or_false(size <= 1)
+        for size, stride in zip(x.shape, x.stride(), strict=True)
+    )
+
+
+def dense_carries(mode: Any, carries: Sequence[Any]) -> tuple[Any, ...] | None:
+    """Note [a traced loop's carries are dense]: ``carries`` with each overlapping one a
+    contiguous copy recorded under ``mode``, or None when none overlaps."""
+    if not any(overlapping(c) for c in carries):
+        return None
+    with mode:
+        return tuple(c.contiguous() if overlapping(c) else c for c in carries)
 
 
 def record_node(

@@ -44,7 +44,7 @@ from hop import _transforms
 from hop._operator import HigherOrderOperator
 from hop._unbacked import unrecorded_symbols
 from hop.errors import HopRuntimeError, format_message
-from hop.ops import _scan_derivatives
+from hop.ops import _scan_derivatives, _while_run
 from hop.ops._branching import as_tuple
 from hop.ops._common import differentiable
 from hop.ops.scan import scan_op
@@ -180,13 +180,15 @@ def _size(count: _Tensor) -> Any:
 
 
 def _masked(step: Fn, nc: int) -> Fn:
-    """``step(*carry, i, *extra, trips)``: a step past ``trips`` keeps the carry
-    (Note [a batched trip count])."""
+    """``step(*carry, i, *extra, trips)``: a step past ``trips`` keeps the carry (Note [a
+    batched trip count]), as a cond (Note [finished elements are not differentiated] in
+    ``_while_run``)."""
 
     def masked(*a: Any) -> tuple[Any, ...]:
-        out = step(*a[:-1])
-        active = a[nc] < a[-1]
-        return tuple(torch.where(active, o, c) for o, c in zip(out, a[:nc], strict=True))
+        def own_step(*b: Any) -> tuple[Any, ...]:
+            return as_tuple(step(*b[:nc], *b[nc:-1]))
+
+        return _while_run.active_step(a[nc] < a[-1], own_step, a[:nc], a[nc:])
 
     masked.__qualname__ = step.__qualname__
     return masked

@@ -334,6 +334,10 @@ def proxy(
     reverse: bool,
 ) -> Any:
     """Trace the body on a carry and one slice and record one node (hop.ops._common's skeleton)."""
+    dense = _common.dense_carries(mode, init)  # Note [a traced loop's carries are dense]
+    if dense is not None:
+        with mode:
+            return looping.call(body, dense, xs, additional, reverse)
     (gm,), lifted = trace_callables(looping.name, [looping.role], [body], examples(init, xs, additional), BODY_WRITES)
     all_additional = (*additional, *lifted)
     return record_node(

@@ -22,7 +22,7 @@ from hop import subgraph as _subgraph
 from hop.errors import HopValueError, format_message
 from hop.ops import _graph_step
 from hop.ops._branching import as_tuple
-from hop.ops._common import refuse_legacy_onnx
+from hop.ops._common import refuse_legacy_onnx, reverse_tracked
 from hop.ops._while_checks import NAME, truth
 
 Fn = Callable[..., Any]
@@ -71,6 +71,7 @@ def run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any
         body_fn = lambda *a: _contiguous(as_tuple(body(*a)))  # noqa: E731
     if _SINKS:  # count the trips (under a transform, or the raw op in eager)
         cond_fn = _observe.counted(NAME, cond_fn)
+    tracked: bool | None = None  # whether a derivative reaches the body: read once, at the first masked step
     while True:
         pred = truth(cond_fn(*carry, *additional))
         if type(pred) is not bool:  # Note [the legacy ONNX exporter]
@@ -82,6 +83,11 @@ def run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any
             continue
         if not _any_batch_element(pred):
             return carry
+        if tracked is None:
+            tracked = _differentiated(body_fn, carry, additional)
+        if tracked:
+            carry = active_step(pred, body_fn, carry, additional)
+            continue
         new = as_tuple(body_fn(*carry, *additional))
         carry = tuple(_freeze(pred, n, o) for n, o in zip(new, carry, strict=True))
 
@@ -131,6 +137,64 @@ def _any_batch_element(pred: torch.Tensor) -> bool:
         raw = torch._C._functorch.get_unwrapped(raw)
     with temporarily_clear_interpreter_stack():
         return bool(raw.any())
+
+
+# Note [finished elements are not differentiated]
+# A loop batched by vmap runs the body on every element while any is active and
+# keeps a finished element's carry. With ``torch.where(active, body(c), c)`` the
+# values and tangents are right, but reverse mode is not: where's backward gives
+# the body a zero cotangent at the frozen carry, and the body's local derivative
+# there may be infinite (the norm of a zero step: ``sqrt(0)``), so ``0 * inf`` is
+# NaN in the element's gradient, from a step its own Python loop never took. A
+# masked step is ``cond(active, body, keep)`` instead (:func:`active_step`): with a
+# batched selector and a derivative to take, cond's node differentiates each
+# element's taken branch only and selects the branches' gradients (not their
+# cotangents) per element, so a step an element did not take contributes nothing.
+# Where nothing is differentiated, that cond is the same torch.where. The eager
+# masked loop, the traced one (``while_loop_vmap``) and the reverse of a loop with a
+# batched trip count (``_loop_reverse``) all step so.
+
+
+def _differentiated(body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any]) -> bool:
+    return reverse_tracked([*carry, *additional, *_subgraph.closure_tensors((body_fn,))])
+
+
+def active_step(active: Any, body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any]) -> tuple[Any, ...]:
+    """``body_fn(*carry, *additional)`` where ``active`` holds, ``carry`` elsewhere, as a
+    cond (Note [finished elements are not differentiated]); an int carry must not change."""
+    from hop.ops.cond import cond_op
+
+    carry = tuple(carry)
+    n = len(carry)
+    tensors = [i for i, c in enumerate(carry) if isinstance(c, torch.Tensor)]
+    returned: list[tuple[Any, ...]] = []
+
+    def step(*args: Any) -> tuple[Any, ...]:
+        new = as_tuple(body_fn(*args))
+        if len(new) != n:
+            raise _carry_count(n, len(new))
+        returned[:] = [new]
+        return tuple(new[i] for i in tensors)
+
+    def keep(*args: Any) -> tuple[Any, ...]:
+        return tuple(args[i] for i in tensors)
+
+    step.__qualname__ = getattr(body_fn, "__qualname__", "body_fn")
+    stepped = iter(as_tuple(cond_op(active.reshape(()), step, keep, (*carry, *additional))))
+    return tuple(
+        next(stepped) if i in tensors else _freeze(active, new, c)
+        for i, (new, c) in enumerate(zip(returned[0], carry, strict=True))
+    )
+
+
+def _carry_count(n: int, got: int) -> HopValueError:
+    return HopValueError(
+        format_message(
+            NAME, f"body_fn returned {got} carries for the {n} it was given", fix="Return one value per carry."
+        ),
+        op=NAME,
+        role="body_fn",
+    )
 
 
 def _freeze(pred: torch.Tensor, new: Any, old: Any) -> Any:

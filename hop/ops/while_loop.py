@@ -43,7 +43,17 @@ from hop.errors import HopValueError, format_message
 from hop.ops import _checkpoint, _while_node, _while_run
 from hop.ops import _while_checks as checks
 from hop.ops._branching import as_tuple, no_alias, same_form
-from hop.ops._common import NOT_TAKEN, Vmapped, Writes, front, lower_vmap, record_node, runs_inline, trace_callables
+from hop.ops._common import (
+    NOT_TAKEN,
+    Vmapped,
+    Writes,
+    dense_carries,
+    front,
+    lower_vmap,
+    record_node,
+    runs_inline,
+    trace_callables,
+)
 from hop.ops._while_checks import NAME as _NAME
 from hop.ops._while_ints import DERIVED, ints_as_tensors
 
@@ -235,18 +245,16 @@ def while_loop_vmap(
             c.movedim(d, 0) if d is not None else c.expand(size, *c.shape) for c, d in zip(carried, c_dims, strict=True)
         ]
         in_dims = (0,) * len(carried) + tuple(e_dims)
-        vcond, vbody = vmapped(cond_fn, in_dims), vmapped(body_fn, in_dims)
+        vcond = vmapped(cond_fn, in_dims)
 
         def any_active(*args: Any) -> Any:
             return vcond(*args).reshape(size).any()
 
-        def masked_body(*args: Any) -> tuple[Any, ...]:
-            active = vcond(*args).reshape(size)
-            new = as_tuple(vbody(*args))
-            return tuple(
-                torch.where(active.reshape(size, *[1] * (o.dim() - 1)), n, o)
-                for n, o in zip(new, args[: len(new)], strict=True)
-            )
+        def step(*args: Any) -> tuple[Any, ...]:  # Note [finished elements are not differentiated]
+            return _while_run.active_step(cond_fn(*args), body_fn, args[:n], args[n:])
+
+        n = len(carried)
+        masked_body = vmapped(step, in_dims)
 
         return lambda: while_loop_op(any_active, masked_body, tuple(carried), tuple(extra), **flag), lambda k: 0
 
@@ -306,6 +314,10 @@ def while_loop_proxy(
 ) -> Any:
     """Trace cond and body on carries generalized to every iteration's sizes; one node
     (with ``checkpoint=True`` only where it was asked for: other graphs stay as they were)."""
+    dense = dense_carries(mode, carried_inputs)  # Note [a traced loop's carries are dense]
+    if dense is not None:
+        with mode:
+            return while_loop_op(cond_fn, body_fn, dense, tuple(additional_inputs), **_while_node.flag(checkpoint))
     fake_mode = torch._guards.detect_fake_mode([*carried_inputs, *additional_inputs])
     shape_env = fake_mode.shape_env if fake_mode is not None else None
     if shape_env is not None and any(type(c) is int for c in carried_inputs):

@@ -407,3 +407,39 @@ def test_a_switch_returning_a_carry_of_size_one_dims_laid_out_otherwise() -> Non
         torch.randn(2, 1),
         transforms=("eager", "compile_inductor"),
     )
+
+
+def _expanded_fori(u: torch.Tensor) -> Any:
+    return hop.fori_loop(0, 3, lambda i, a: a + u * (i < 1 + (u > 2)).float(), torch.zeros(()).expand(4))
+
+
+def _expanded_scan(u: torch.Tensor) -> Any:
+    return hop.scan(lambda c, x: (c + x, c * 2), torch.zeros(()).expand(4), torch.stack([u, u * 2]))
+
+
+def _vmapped_while(u: torch.Tensor) -> Any:
+    # vmap expands the unbatched initial carries (stride 0)
+    def one(e: torch.Tensor) -> Any:
+        return hop.while_loop(lambda i, a: i < e, lambda i, a: (i + 1, a + e), (torch.zeros(()), torch.zeros(())))
+
+    return torch.vmap(one)(u)
+
+
+def _vmapped_grad_of_loop(x: torch.Tensor) -> Any:
+    # hop broadcasts its own trip counter for the batched backward
+    def one(a0: torch.Tensor) -> Any:
+        return hop.while_loop(lambda i, a: a > 1.0, lambda i, a: (i + 1, (a - 1).sqrt()), (torch.zeros(()), a0))[1]
+
+    return torch.vmap(torch.func.grad(one))(x)
+
+
+@pytest.mark.parametrize("program", [_expanded_fori, _expanded_scan, _vmapped_while, _vmapped_grad_of_loop])
+def test_carries_with_stride_zero(program: Any) -> None:
+    """Note [a traced loop's carries are dense]: Inductor's loop laid its outputs out as
+    an expanded initial carry, so the body stored every element into one: each read
+    back the last (silently wrong), or a vmapped loop never ended."""
+    torch._dynamo.reset()
+    u = torch.tensor([5.0, 0.5, 3.0, 17.0]) if program is _vmapped_grad_of_loop else torch.tensor([1.5, 3.0, 3.0, 3.0])
+    expected = program(u)
+    torch.testing.assert_close(torch.compile(program, backend="inductor", fullgraph=True)(u), expected)
+    torch._dynamo.reset()
