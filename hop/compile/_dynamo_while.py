@@ -163,6 +163,8 @@ class WhileLoopVariable(HopVariable):
         """One while_loop node; its final carry's leaves."""
         leaves, spec = flatten(tx, TupleVariable(list(carried)))
         values = [example(leaf) for leaf in leaves]
+        if tx.export:
+            _while_ints.refuse_batched(values, [example(a) for a in additional])
         py_spec = python_spec(spec)
         varying = [set() if isinstance(v, torch.Tensor) else {0} for v in values]
         on_tensors = False  # Note [int carries in a traced condition] (hop.ops._while_ints)

@@ -308,8 +308,9 @@ def record_node(
 # it, how the callables are vmapped: its own step), the op runs one level down, and
 # each output gets its batch dimension back where the operator says.
 
-Vmapped = Callable[[Callable[..., Any], tuple[int | None, ...]], Callable[..., Any]]
-"""``vmapped(fn, in_dims)``: ``fn`` under ``torch.vmap`` with the interpreter's randomness."""
+Vmapped = Callable[..., Callable[..., Any]]
+"""``vmapped(fn, in_dims, out_dims=0)``: ``fn`` under ``torch.vmap`` with the interpreter's
+randomness (an output that is not a tensor, an int carry, needs an ``out_dims`` of None)."""
 Placement = Callable[
     [list[list[Any]], list[list[int | None]], int, Vmapped], tuple[Callable[[], Any], Callable[[int], int]]
 ]
@@ -335,8 +336,8 @@ def lower_vmap(
         with interpreter.lower():
             return unbatched(*values)
 
-    def vmapped(fn: Callable[..., Any], in_dims: tuple[int | None, ...]) -> Callable[..., Any]:
-        return torch.vmap(fn, in_dims=in_dims, randomness=interpreter.randomness())
+    def vmapped(fn: Callable[..., Any], in_dims: tuple[int | None, ...], out_dims: Any = 0) -> Callable[..., Any]:
+        return torch.vmap(fn, in_dims=in_dims, out_dims=out_dims, randomness=interpreter.randomness())
 
     call, out_dim = batched(values, dims, interpreter.batch_size(), vmapped)
     with interpreter.lower():

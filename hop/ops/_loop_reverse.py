@@ -194,6 +194,16 @@ def _masked(step: Fn, nc: int) -> Fn:
     return masked
 
 
+def _int_of(t: _Tensor) -> Any:
+    """An int carry's value from the 0-dim tensor it travels as. A vmap batching the
+    loop broadcast that tensor (an int is one value for the whole batch: a batched
+    condition may not change it), so every element holds the same int."""
+    if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return t.item()
+    with temporarily_clear_interpreter_stack():
+        return _raw(t).reshape(-1)[0].item()
+
+
 def _int_carries_as_tensors(body_fn: Fn, carried: list[Any]) -> tuple[list[Any], Fn]:
     """The carry with ints as 0-dim int64 tensors (a scan carries tensors only), and
     ``step(*carry, i, *extra)``: one iteration of the body on that carry."""
@@ -202,7 +212,7 @@ def _int_carries_as_tensors(body_fn: Fn, carried: list[Any]) -> tuple[list[Any],
     carry_t = [torch.scalar_tensor(c, dtype=torch.int64) if i in ints else c for i, c in enumerate(carried)]
 
     def step(*a: Any) -> tuple[Any, ...]:
-        carry = [a[i].item() if i in ints else a[i] for i in range(nc)]
+        carry = [_int_of(a[i]) if i in ints else a[i] for i in range(nc)]
         out = as_tuple(body_fn(*carry, *a[nc + 1 :]))
         return tuple(torch.scalar_tensor(o, dtype=torch.int64) if i in ints else o for i, o in enumerate(out))
 

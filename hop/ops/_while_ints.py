@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from hop import subgraph as _subgraph
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, trial_run
-from hop.errors import HopError
+from hop.errors import HopError, HopValueError, format_message
 from hop.ops._branching import as_tuple
 from hop.ops._while_checks import NAME
 
@@ -36,6 +36,7 @@ def ints_as_tensors(
     exported node cannot mix ints and tensors in one list); inside, ``.item()`` makes
     them SymInts."""
     n, slots = len(carried), [i for i, c in enumerate(carried) if type(c) is int]
+    refuse_batched(carried, additional)
 
     def as_ints(args: Sequence[Any]) -> list[Any]:
         return [a.item() if i in slots else a for i, a in enumerate(args)]
@@ -66,6 +67,33 @@ def ints_as_tensors(
     fresh = [assume_range(r, *rng, size=False) for r, rng in zip(result, ranges, strict=True) if rng and _symbolic(r)]
     assert_ranges(mode, NAME, tuple(result), fresh, root="carry", why=DERIVED)
     return result[0] if n == 1 else tuple(result)
+
+
+def refuse_batched(carried: Sequence[Any], additional: Sequence[Any]) -> None:
+    """Int carries under vmap cannot be exported. Only export's pre-dispatch trace meets
+    vmap's batched tensors here (elsewhere vmap's rule runs first and keeps int carries
+    ints): as tensors the ints would be batched with the carries, and the body's .item()
+    of them fails inside vmap. Strict export refuses when Dynamo captures the loop,
+    before its graph's vmap has entered a level that an error would leave behind."""
+    if any(type(c) is int or isinstance(c, torch.SymInt) for c in carried) and any(
+        _is_batched(t) for t in (*carried, *additional)
+    ):
+        raise HopValueError(
+            format_message(
+                NAME,
+                "under vmap, exported loops carry tensors only (an int carry or Python-int fori_loop bounds)",
+                fix="Pass fori_loop tensor bounds (torch.tensor(n)), or carry the counter as a tensor.",
+            ),
+            op=NAME,
+        )
+
+
+def _is_batched(t: Any) -> bool:
+    while isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if torch._C._functorch.is_batchedtensor(t):
+            return True
+        t = torch._C._functorch.get_unwrapped(t)
+    return False
 
 
 # Note [int carries in a traced condition]

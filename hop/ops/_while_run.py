@@ -159,6 +159,24 @@ def _differentiated(body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any]
     return reverse_tracked([*carry, *additional, *_subgraph.closure_tensors((body_fn,))])
 
 
+def batched_here(t: Any) -> bool:
+    """Whether ``t`` is batched by the innermost vmap level (a loop condition's value
+    inside a vmapped step)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and torch._C._functorch.is_batchedtensor(t)
+        and torch._C._functorch.maybe_get_level(t) == _transforms.functorch_level()
+    )
+
+
+def checked_step(body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any]) -> tuple[Any, ...]:
+    """``body_fn(*carry, *additional)`` as a tuple of as many carries as it was given."""
+    new = as_tuple(body_fn(*carry, *additional))
+    if len(new) != len(carry):
+        raise _carry_count(len(carry), len(new))
+    return new
+
+
 def active_step(active: Any, body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any]) -> tuple[Any, ...]:
     """``body_fn(*carry, *additional)`` where ``active`` holds, ``carry`` elsewhere, as a
     cond (Note [finished elements are not differentiated]); an int carry must not change."""
@@ -170,9 +188,7 @@ def active_step(active: Any, body_fn: Fn, carry: Sequence[Any], additional: Sequ
     returned: list[tuple[Any, ...]] = []
 
     def step(*args: Any) -> tuple[Any, ...]:
-        new = as_tuple(body_fn(*args))
-        if len(new) != n:
-            raise _carry_count(n, len(new))
+        new = checked_step(body_fn, args[:n], args[n:])
         returned[:] = [new]
         return tuple(new[i] for i in tensors)
 

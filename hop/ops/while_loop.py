@@ -39,7 +39,6 @@ from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
 from hop._unbacked import generalize_carries
-from hop.errors import HopValueError, format_message
 from hop.ops import _checkpoint, _while_node, _while_run
 from hop.ops import _while_checks as checks
 from hop.ops._branching import as_tuple, no_alias, same_form
@@ -232,29 +231,41 @@ def while_loop_vmap(
     any element is active and freezes finished ones."""
     if runs_inline(carried_inputs, additional_inputs):
         return while_loop_dense(cond_fn, body_fn, carried_inputs, additional_inputs)
-    if any(not isinstance(c, torch.Tensor) for c in carried_inputs):
-        raise HopValueError(
-            format_message(_NAME, "under vmap, traced loops carry tensors only", fix="Carry counters as tensors."),
-            op=_NAME,
-        )
     flag = _while_node.flag(checkpoint)
 
     def batched(values: list[list[Any]], dims: list[list[int | None]], size: int, vmapped: Vmapped) -> Any:
         (carried, extra), (c_dims, e_dims) = values, dims
+        # an int carry (a fori_loop's counter) stays one int for the whole batch
+        tensor = [isinstance(c, torch.Tensor) for c in carried]
         carried = [
-            c.movedim(d, 0) if d is not None else c.expand(size, *c.shape) for c, d in zip(carried, c_dims, strict=True)
+            c if not t else c.movedim(d, 0) if d is not None else c.expand(size, *c.shape)
+            for c, d, t in zip(carried, c_dims, tensor, strict=True)
         ]
-        in_dims = (0,) * len(carried) + tuple(e_dims)
-        vcond = vmapped(cond_fn, in_dims)
+        in_dims = tuple(0 if t else None for t in tensor) + tuple(e_dims)
+        plain: list[Any] = []
+
+        def tensor_cond(*args: Any) -> Any:
+            pred = cond_fn(*args)
+            if isinstance(pred, torch.Tensor):
+                return pred
+            plain[:] = [pred]  # a bool of int carries: unbatched, the same for every element
+            return torch.ones((), dtype=torch.bool)
+
+        vcond = vmapped(tensor_cond, in_dims)
 
         def any_active(*args: Any) -> Any:
-            return vcond(*args).reshape(size).any()
+            pred = vcond(*args)
+            return plain.pop() if plain else pred.reshape(size).any()
 
-        def step(*args: Any) -> tuple[Any, ...]:  # Note [finished elements are not differentiated]
-            return _while_run.active_step(cond_fn(*args), body_fn, args[:n], args[n:])
+        def step(*args: Any) -> tuple[Any, ...]:
+            active = cond_fn(*args)
+            if not _while_run.batched_here(active):  # every element steps: no mask
+                return _while_run.checked_step(body_fn, args[:n], args[n:])
+            # Note [finished elements are not differentiated]; an int carry must not change
+            return _while_run.active_step(active, body_fn, args[:n], args[n:])
 
         n = len(carried)
-        masked_body = vmapped(step, in_dims)
+        masked_body = vmapped(step, in_dims, tuple(0 if t else None for t in tensor))
 
         return lambda: while_loop_op(any_active, masked_body, tuple(carried), tuple(extra), **flag), lambda k: 0
 

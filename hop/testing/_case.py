@@ -68,7 +68,7 @@ LIMITATIONS: list[tuple[str, type[BaseException], str, str]] = [
     ("vmap", HopValueError, r"must return equal sizes", "branches return different sizes under a batched selector"),
     ("vmap", HopValueError, r"int carries cannot change", "an int carry changes under a batched loop condition"),
     ("vmap", HopValueError, r"carries cannot change size", "a carry changes size under a batched loop condition"),
-    ("vmap", HopValueError, r"traced loops carry tensors only", "an int carry in a traced loop under vmap"),
+    ("vmap", HopValueError, r"exported loops carry tensors only", "an int carry in an exported loop under vmap"),
     ("vmap", RuntimeError, r"^vmap: .*(data-dependent|dynamic shape|item\(\))", "torch.vmap: a data-dependent op"),
     ("vmap", RuntimeError, r"Batching rule not implemented for aten::(nonzero|masked_select|_local_scalar)", "torch"),
     (
