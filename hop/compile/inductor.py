@@ -115,6 +115,7 @@ def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands
     _bind_item_symbols(true_fn.graph_module, false_fn.graph_module)
     node = V.graph.current_node
     operands = _inline_constant_inputs(node, (true_fn.graph_module, false_fn.graph_module), 3, 0, operands)
+    operands = _simplest_sizes(node, 3, operands)
     operands = _traced_strides(operands, node.args[-1])
     val, bindings = node.meta["val"], node.meta.get("unbacked_bindings")
     if isinstance(val, (tuple, list)):
@@ -147,6 +148,41 @@ def _lower_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands
 # unrealized value, the copy's kernel would inline the whole chain of index
 # arithmetic, which Inductor's C++ codegen fails on under dynamic shapes (torch
 # fails so on ``reshape(gather(x)) * 0.5`` alone, with no control flow).
+
+
+# Note [a size operand is passed in its simplest form]
+# Dynamo gives each input's size a symbol of its own and records that two are
+# equal as a replacement (a[:-1] and b[:-1], both marked dynamic: s97 -> s52).
+# torch's lowering builds a subgraph from its FX node's operands' meta, binding a
+# size input to the symbol it was traced as (s97), while the subgraph's tensors'
+# sizes read the replacement (s52 - 1): the codegen failed ("expected [s52] to have
+# been codegen-ed"). torch's cond passes every size symbol, so one of them is s52;
+# hop's Dynamo capture passes one per value. A size operand whose symbol has been
+# replaced is therefore passed as the graph input traced as the replacement, where
+# there is one (else as it was: the same loud failure). At run time the two hold the
+# same value: they were found equal.
+
+
+def _simplest_sizes(node: torch.fx.Node, position: int, values: Sequence[Any]) -> list[Any]:
+    """Note [a size operand is passed in its simplest form]; ``values`` are the lowered
+    forms of ``node.args[position]``."""
+    import sympy
+
+    def symbol_of(n: Any, raw: bool) -> Any:
+        val = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+        if not isinstance(val, torch.SymInt):
+            return None
+        expr = val.node._expr if raw else val.node.expr
+        return expr if isinstance(expr, sympy.Symbol) else None
+
+    inputs = {symbol_of(p, True): p for p in node.graph.find_nodes(op="placeholder")}
+    traced, out = list(node.args[position]), list(values)  # type: ignore[arg-type]
+    for j, arg in enumerate(traced[: len(out)]):
+        raw, simplest = symbol_of(arg, True), symbol_of(arg, False)
+        if raw is not None and simplest is not None and raw != simplest and simplest in inputs:
+            traced[j], out[j] = inputs[simplest], simplest
+    node.args = (*node.args[:position], tuple(traced), *node.args[position + 1 :])
+    return out
 
 
 def _traced_strides(values: Sequence[Any], traced: Any) -> list[Any]:
@@ -195,6 +231,7 @@ def _lower_while(
         cond_fn.graph_module = _retrace(cond_fn.graph_module)
         _bind_item_symbols(cond_fn.graph_module)
     carried_inputs = _traced_strides(carried_inputs, node.args[2])
+    additional_inputs = _simplest_sizes(node, 3, additional_inputs)
     additional_inputs = _traced_strides(additional_inputs, node.args[3])
     with _own_buffers():
         out = _lower_torch_while(torch_while, cond_fn, body_fn, carried_inputs, additional_inputs)

@@ -443,3 +443,43 @@ def test_carries_with_stride_zero(program: Any) -> None:
     expected = program(u)
     torch.testing.assert_close(torch.compile(program, backend="inductor", fullgraph=True)(u), expected)
     torch._dynamo.reset()
+
+
+def _sliced_cond(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return hop.cond(p, lambda x, y: x + y, lambda x, y: x - y, (a[:-1], b[:-1]))
+
+
+def _sliced_while(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    y = b[:-1]
+    return hop.while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, x + y), (torch.tensor(0), a[:-1]))[1]
+
+
+def _sliced_cond_true(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _sliced_cond(torch.tensor(True), a, b)
+
+
+def _sliced_cond_false(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _sliced_cond(torch.tensor(False), a, b)
+
+
+@pytest.mark.parametrize(
+    ("program", "want"),
+    [
+        (_sliced_cond_true, lambda a, b: a[:-1] + b[:-1]),
+        (_sliced_cond_false, lambda a, b: a[:-1] - b[:-1]),
+        (_sliced_while, lambda a, b: a[:-1] + 3 * b[:-1]),
+    ],
+    ids=["cond_true", "cond_false", "while_loop"],
+)
+def test_slices_of_two_dynamic_inputs(program: Any, want: Any) -> None:
+    # from torch's Inductor suite: Dynamo gives a and b a size symbol each and replaces
+    # one by the other; a branch's size input was bound to the replaced one
+    a, b = torch.randn(5, 3), torch.randn(5, 3)
+    torch._dynamo.mark_dynamic(a, 0)
+    torch._dynamo.mark_dynamic(b, 0)
+    torch._dynamo.reset()
+    compiled = torch.compile(program, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(a, b), want(a, b))
+    for n in (7, 2):
+        a2, b2 = torch.randn(n, 3), torch.randn(n, 3)
+        torch.testing.assert_close(compiled(a2, b2), want(a2, b2))
