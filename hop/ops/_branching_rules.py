@@ -29,6 +29,7 @@ from hop.ops._common import (
     reverse_tracked,
     save_operands,
     saved_operands,
+    select,
     trace_callables,
 )
 from hop.ops._zero_grads import only_vmap_levels, zero_untaken
@@ -286,7 +287,7 @@ def _where_chain(masks: Sequence[Any], values: Sequence[Any]) -> Any:
     """``values[k]`` where ``masks[k]`` holds (the masks partition the batch)."""
     acc = values[-1]
     for k in range(len(values) - 2, -1, -1):
-        acc = torch.where(masks[k], values[k], acc)
+        acc = select(masks[k], values[k], acc)
     return acc
 
 

@@ -254,6 +254,15 @@ def reverse_tracked(values: Sequence[Any]) -> bool:
 # contiguous copy: one copy per call, before the loop, on every path that traces.
 
 
+def select(mask: Any, a: Any, b: Any) -> Any:
+    """``torch.where(mask, a, b)``; on bool values as logical ops, since onnxruntime's
+    CPU provider has no bool ``Where`` (a vmapped loop's ``done`` flag exported to
+    ONNX loaded nowhere). The values are the same."""
+    if isinstance(a, _Tensor) and isinstance(b, _Tensor) and a.dtype == b.dtype == torch.bool:
+        return (mask & a) | (~mask & b)
+    return torch.where(mask, a, b)
+
+
 def overlapping(x: Any) -> bool:
     """A tensor two of whose indices address one element (a stride 0 on a dimension
     longer than one; an unknown size counts as longer)."""

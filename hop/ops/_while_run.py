@@ -22,7 +22,7 @@ from hop import subgraph as _subgraph
 from hop.errors import HopValueError, format_message
 from hop.ops import _graph_step
 from hop.ops._branching import as_tuple
-from hop.ops._common import refuse_legacy_onnx, reverse_tracked
+from hop.ops._common import refuse_legacy_onnx, reverse_tracked, select
 from hop.ops._while_checks import NAME, truth
 
 Fn = Callable[..., Any]
@@ -234,4 +234,4 @@ def _freeze(pred: torch.Tensor, new: Any, old: Any) -> Any:
             ),
             op=NAME,
         )
-    return torch.where(pred.reshape(()), new, old)
+    return select(pred.reshape(()), new, old)

@@ -555,3 +555,33 @@ def test_plain_jit_trace_still_unrolls_a_data_dependent_cond() -> None:
         warnings.simplefilter("ignore")  # TracerWarning (the predicate is data), jit.trace's deprecation
         traced = torch.jit.trace(fn, (torch.ones(3),), check_trace=False)
     torch.testing.assert_close(traced(torch.ones(3) * 2), fn(torch.ones(3) * 2))
+
+
+class _Episodes(torch.nn.Module):
+    """A batched rollout with a done flag: each row runs until its own sum passes 4."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        def episode(s0: torch.Tensor) -> Any:
+            def body(s: torch.Tensor, done: torch.Tensor) -> Any:
+                s = s * 1.5 + 0.1
+                return s, s.sum() > 4
+
+            return hop.while_loop(lambda s, done: ~done, body, (s0, torch.tensor(False)))
+
+        return torch.vmap(episode)(x)
+
+
+class _BoolBranches(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        def row(v: torch.Tensor) -> Any:
+            return hop.cond(v.sum() > 0, lambda a: (a > 1, a * 2), lambda a: (a < 0, a), (v,))
+
+        return torch.vmap(row)(x)
+
+
+@pytest.mark.parametrize("model", [_Episodes(), _BoolBranches()], ids=["while_done_flag", "cond_bool_outputs"])
+def test_vmapped_bool_carries_and_outputs_load_in_onnxruntime(model: torch.nn.Module) -> None:
+    # onnxruntime's CPU provider has no bool Where: hop selects bool values with logical ops
+    xs = torch.tensor([[0.5, 1.0], [2.0, 3.0], [-0.1, 0.3], [-2.0, 2.5]])  # every row stops
+    session = _session(_export(model, (xs,)))
+    _check(session, model, (xs,))
