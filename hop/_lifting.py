@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from hop import _observe
-from hop._tracing import keeping_node_meta, trace_subgraph
+from hop._tracing import keeping_node_meta, per_element, trace_subgraph
 
 __all__ = ["distinct_inputs", "trace_branches"]
 
@@ -82,7 +82,7 @@ def _install_lifting(sub: Any, parent: Any, lifted: list[Any], nodes: list[torch
 
     def lift_tensor(t: torch.Tensor) -> Any:
         proxy = placeholder(t)
-        proxy_tensor.set_meta(proxy, t)
+        proxy_tensor.set_meta(proxy, per_element(t))  # Note [pre-dispatch subgraphs see per-element values]
         return proxy_tensor._ProxyTensor(proxy, None)
 
     def lift_sym(s: Any) -> Any:
@@ -154,14 +154,18 @@ def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nod
         value = _attr(gm, str(node.target))
         if not isinstance(value, torch.Tensor):
             continue
-        name = parent.get_fresh_qualname("_tensor_constant")
-        setattr(parent.root, name, value)
         example = value
         if fake_mode is not None and not isinstance(value, FakeTensor):
             with unset_fake_temporarily():
                 copy = value.clone()
             example = fake_mode.from_tensor(copy, static_shapes=True)
-        track_tensor_tree(example, parent.create_proxy("get_attr", name, (), {}), constant=value, tracer=parent)
+        # A value the parent tracks already (one constant read twice, without a fake mode
+        # to copy it into) reuses its node: a second get_attr would be left unused, which
+        # torch.export's constant lifting fails on (a bare StopIteration).
+        if parent.tensor_tracker.get(example) is None:
+            name = parent.get_fresh_qualname("_tensor_constant")
+            setattr(parent.root, name, value)
+            track_tensor_tree(example, parent.create_proxy("get_attr", name, (), {}), constant=value, tracer=parent)
         anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
         with gm.graph.inserting_before(anchor):
             placeholder = gm.graph.placeholder(f"lifted_const_{len(lifted)}")

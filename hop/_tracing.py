@@ -19,7 +19,7 @@ import torch.utils._pytree as py_pytree
 
 from hop import _observe
 
-__all__ = ["emit", "keeping_node_meta", "trace_example", "trace_subgraph", "unknown_value"]
+__all__ = ["emit", "keeping_node_meta", "per_element", "trace_example", "trace_subgraph", "unknown_value"]
 
 
 def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.GraphModule:
@@ -35,7 +35,7 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
     fn = keeping_node_meta(fn)
     tracer = proxy_tensor._CURRENT_MAKE_FX_TRACER
     if tracer is not None:
-        return tracer.trace_subgraph(fn, *args)
+        return tracer.trace_subgraph(fn, *[per_element(a) for a in args])
     from torch._guards import detect_fake_mode
 
     fake_mode = detect_fake_mode(list(args))
@@ -43,6 +43,37 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
         return proxy_tensor.make_fx(fn, tracing_mode="fake")(*args)
     with fake_mode:
         return proxy_tensor.make_fx(fn, tracing_mode="real")(*args)
+
+
+# Note [pre-dispatch subgraphs see per-element values]
+# Under torch.export's pre-dispatch trace (non-strict export, and strict export's
+# re-trace of Dynamo's graph) a hop call inside ``torch.vmap`` is recorded before
+# vmap's rule runs: the operands are batched tensors, and the subgraph records the
+# program of one element (vmap applies again when the program runs). A batched value
+# cannot be a subgraph's placeholder: binding one of its symbolic sizes needs
+# ``sym_size`` of it, which has no batching rule. The callable is traced on fresh
+# plain fake tensors of the operand's per-element metadata instead, and a batched
+# value it closes over gets such a tensor as its placeholder's example.
+
+
+def per_element(value: Any) -> Any:
+    """A plain fake tensor of one element's metadata for a vmap-batched fake ``value``
+    (Note [pre-dispatch subgraphs see per-element values]); anything else as it is."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if (
+        not isinstance(value, torch.Tensor)
+        or not torch._C._functorch.is_batchedtensor(value)
+        or value.requires_grad  # a functorch transform refuses requires_grad_: leave it be
+    ):
+        return value
+    inner = value
+    while torch._C._functorch.is_functorch_wrapped_tensor(inner):
+        inner = torch._C._functorch.get_unwrapped(inner)
+    if not isinstance(inner, FakeTensor):
+        return value
+    with inner.fake_mode:
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
 
 # Note [re-traced subgraphs keep their node meta]

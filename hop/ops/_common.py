@@ -326,6 +326,13 @@ Placement = Callable[
 """An operator's own step of its vmap rule: ``(values, dims, size, vmapped) -> (call, out_dim)``."""
 
 
+# Note [vmapped outputs are batched at dim 0]
+# A rule's output is wrapped with its batch moved to the front, as torch's own batching
+# rules leave theirs. Under non-strict export, vmap's closing ``_remove_batch_dim`` runs
+# with the pre-dispatch tracer on: a batch at any other dim makes it record a permute
+# of the wrapped (untracked) tensor, which export then lifts as a fake constant.
+
+
 def lower_vmap(
     interpreter: Any,
     groups: Sequence[Sequence[Any]],
@@ -351,6 +358,8 @@ def lower_vmap(
     call, out_dim = batched(values, dims, interpreter.batch_size(), vmapped)
     with interpreter.lower():
         out = call()
-    flat = out if isinstance(out, tuple) else (out,)
-    wrapped = [_add_batch_dim(o, out_dim(k), level) if isinstance(o, torch.Tensor) else o for k, o in enumerate(flat)]
+        flat = out if isinstance(out, tuple) else (out,)
+        # Note [vmapped outputs are batched at dim 0]
+        front = [o.movedim(out_dim(k), 0) if isinstance(o, torch.Tensor) else o for k, o in enumerate(flat)]
+    wrapped = [_add_batch_dim(o, 0, level) if isinstance(o, torch.Tensor) else o for o in front]
     return tuple(wrapped) if isinstance(out, tuple) else wrapped[0]

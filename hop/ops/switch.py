@@ -295,16 +295,14 @@ def switch_proxy(mode: ProxyTorchDispatchMode, index: Any, operands: Sequence[An
     if isinstance(index, torch.SymInt):
         _check(index >= 0)
         _check(index < n)
-    elif isinstance(index, torch.Tensor):
-        # Under vmap (export's pre-dispatch trace outranks it) the index is a batch: its
-        # elements are checked in the graph, on the tensor the batch wraps.
-        raw = _unwrapped(index)
-        known = raw if not isinstance(raw, FakeTensor) else raw.constant  # a value known while tracing
-        if known is not None and raw is index:
+    elif isinstance(index, torch.Tensor) and _unwrapped(index) is index:
+        # (Under vmap, export's pre-dispatch trace outranks vmap's rule and the index is
+        # a batch: the program runs that rule, which checks every element, and a trace
+        # of it records the check on tensors the trace follows.)
+        known = index if not isinstance(index, FakeTensor) else index.constant  # a value known while tracing
+        if known is not None:
             with unset_fake_temporarily():  # a real value: read it outside the fake mode
                 _index(known, n)  # out of range: a HopValueError now, as in eager (not the assert below)
         with mode:  # recorded in the graph: the exported program checks it at run time
-            ok = (raw >= 0) & (raw < n)
-            ok = ok if raw is index else ok.all()  # a batch: every element
-            torch._assert_async(ok, f"hop.switch: index out of range for {n} branches")
+            torch._assert_async((index >= 0) & (index < n), f"hop.switch: index out of range for {n} branches")
     return rules.proxy(SWITCH, mode, index, branches, operands)

@@ -39,6 +39,21 @@ def in_cond(x: torch.Tensor) -> torch.Tensor:
     return hop.cond(x.sum() > 0, lambda a: inner(a, K) + K, lambda a: a * K, (x,))
 
 
+def predicate_reads_it(x: torch.Tensor) -> torch.Tensor:
+    # the predicate and a branch read the constant: the scan body lifted it twice, one
+    # get_attr was left without users (StopIteration in torch's constant lifting)
+    body = lambda c, r: (c, hop.cond(K.sum() > 1, lambda a: a * K, lambda a: a - 1, (c + r,)))  # noqa: E731
+    return hop.scan(body, torch.zeros(3), x)[1]
+
+
+def in_fori_in_scan(x: torch.Tensor) -> torch.Tensor:
+    def body(c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = hop.fori_loop(0, 2, lambda i, a: hop.cond(K.sum() > 0, lambda b: b + K, lambda b: b - K, (a,)), c)
+        return c, c + r
+
+    return hop.scan(body, torch.zeros(3), x)[1]
+
+
 def closed_over(x: torch.Tensor) -> torch.Tensor:
     k = torch.tensor([0.5, -0.5, 2.0])
     return hop.map(lambda r: inner(r, k) + k, x)
@@ -66,7 +81,7 @@ class Wrap(torch.nn.Module):
         return self.fn(x)
 
 
-MODELS = [in_map, in_while, in_while_int_counter, in_scan, in_cond, closed_over]
+MODELS = [in_map, in_while, in_while_int_counter, in_scan, in_cond, predicate_reads_it, in_fori_in_scan, closed_over]
 X = torch.tensor([[0.5, -1.0, 0.25], [-2.0, 0.5, 0.5]])
 
 

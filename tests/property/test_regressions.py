@@ -153,4 +153,6 @@ def test_vmap_of_a_boolean_mask_after_an_associative_scan_is_a_torch_limitation(
         return inner + inner[inner > 0].sum()
 
     report = check(program, torch.zeros(0), transforms=["eager", "vmap"])
-    assert report.ran == ["eager"] and "plain-Python program too" in report.skipped["vmap"]
+    # (with the scan's output batched at dim 0, torch's message names the mask's shape)
+    reasons = ("plain-Python program too", "a boolean mask of a zero-size tensor")
+    assert report.ran == ["eager"] and any(r in report.skipped["vmap"] for r in reasons)
