@@ -16,7 +16,7 @@ import dis
 import functools
 import sys
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import BuiltinFunctionType, CodeType, FunctionType, MemberDescriptorType, MethodType, ModuleType
 from typing import Any
 
@@ -192,7 +192,13 @@ def _slot_values(obj: Any) -> list[Any]:
 _CALLED = ("forward", "__call__")
 
 
-def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]:
+# Where a module holds a tensor: (the module or submodule, "_parameters" or "_buffers", name).
+Slot = tuple[torch.nn.Module, str, str]
+
+
+def closure_tensors(
+    fns: Sequence[Any], *, depth: int = 4, slots: dict[int, list[Slot]] | None = None
+) -> list[torch.Tensor]:
     """Tensors the callables may read without receiving them: in closure cells, bound
     ``self``, referenced globals, default arguments and partial arguments, including
     the parameters and buffers of modules found there (searched ``depth`` levels deep).
@@ -204,6 +210,9 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
     names are searched: ``config.W``, ``holder.W`` kept on the class, and the
     functions and methods found so (``config.helper``, ``self.scaled``), with what
     they read in turn.
+
+    With ``slots``, each parameter or buffer found in a module is also recorded with
+    where the module holds it (Note [a re-run reads the closure it was converted with]).
     """
     found: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
@@ -243,8 +252,11 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
             for value in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
                 visit(value, level + 1, read)  # captured as a default: lambda a, w=w: a @ w
         elif isinstance(obj, torch.nn.Module):
-            for t in (*obj.parameters(), *obj.buffers()):
-                found.setdefault(id(t), t)
+            if slots is None:
+                for t in (*obj.parameters(), *obj.buffers()):
+                    found.setdefault(id(t), t)
+            else:
+                _module_slots(obj, found, slots)
             search(type(obj), names + _CALLED, level)  # its methods: self.scaled, forward
         elif isinstance(obj, MethodType):
             func = obj.__func__
@@ -284,6 +296,46 @@ def closure_tensors(fns: Sequence[Any], *, depth: int = 4) -> list[torch.Tensor]
     return list(found.values())
 
 
+def _module_slots(module: torch.nn.Module, found: dict[int, torch.Tensor], slots: dict[int, list[Slot]]) -> None:
+    for kind, named in (
+        ("_parameters", module.named_parameters(remove_duplicate=False)),
+        ("_buffers", module.named_buffers(remove_duplicate=False)),
+    ):
+        for path, t in named:
+            found.setdefault(id(t), t)
+            owner_path, _, name = path.rpartition(".")
+            slots.setdefault(id(t), []).append((module.get_submodule(owner_path), kind, name))
+
+
+# Note [a re-run reads the closure it was converted with]
+# A converted callable runs again after its first call: the backward and jvp of an
+# autograd node re-run a branch or body to differentiate it. By then a module it reads
+# may hold other tensors: ``torch.func.functional_call`` (how torch.func differentiates
+# a module: per-example gradients, ``vmap(grad(...))``) swaps the parameters in for the
+# call only, and torch.func.grad differentiates after the call returned. The re-run
+# would read the module's own parameters, which the swap by identity does not know,
+# and the gradient of what the forward read would silently be zero. So every run puts
+# each converted tensor back where a module held it (the value it is given, as
+# functional_call does), and restores the module after.
+
+
+@contextlib.contextmanager
+def _installed(installs: Sequence[tuple[Slot, Any]]) -> Iterator[None]:
+    saved = []
+    try:
+        for (owner, kind, name), value in installs:
+            held = getattr(owner, kind)
+            saved.append((held, name, held.get(name, _NO_VALUE)))
+            held[name] = value
+        yield
+    finally:
+        for held, name, old in reversed(saved):
+            if old is _NO_VALUE:
+                held.pop(name, None)
+            else:
+                held[name] = old
+
+
 class _Rebind(torch.overrides.TorchFunctionMode):
     """Swaps tensors (by identity) for others in every torch call: Note [closure conversion]."""
 
@@ -309,9 +361,11 @@ class _Rebind(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _rebound_callable(fn: Callable[..., Any], subs: dict[int, Any]) -> Callable[..., Any]:
+def _rebound_callable(
+    fn: Callable[..., Any], subs: dict[int, Any], installs: Sequence[tuple[Slot, Any]] = ()
+) -> Callable[..., Any]:
     def rebound(*args: Any) -> Any:
-        with _Rebind(subs):
+        with _installed(installs), _Rebind(subs):
             out = fn(*args)
         return py_pytree.tree_map(lambda x: subs.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
 
@@ -322,27 +376,42 @@ def _rebound_callable(fn: Callable[..., Any], subs: dict[int, Any]) -> Callable[
 
 
 def convert_closures(
-    fns: Sequence[Callable[..., Any]], operands: Sequence[Any], level: int | None = None
+    fns: Sequence[Callable[..., Any]],
+    operands: Sequence[Any],
+    level: int | None = None,
+    *,
+    batched_at: int | None = None,
 ) -> tuple[list[Callable[..., Any]], list[torch.Tensor]]:
     """The tensors ``fns`` read from their closures that a derivative must reach (they
     require grad, or a torch.func grad / jvp transform at ``level`` tracks them) and
     that are not operands already, and ``fns`` taking them as extra trailing inputs
-    (Note [closure conversion]); ``fns`` unchanged when there are none."""
-    from torch._C._functorch import is_gradtrackingtensor, maybe_get_level
+    (Note [closure conversion]); ``fns`` unchanged when there are none.
+
+    With ``batched_at``, tensors batched at that vmap level are taken too: an autograd
+    node under vmap runs its forward under a vmap of its own (torch's generated vmap
+    rule), which re-batches its inputs; a closure still batched at the old level would
+    be used where that level no longer exists (an internal assert of functorch)."""
+    from torch._C._functorch import is_batchedtensor, is_gradtrackingtensor, maybe_get_level
 
     def tracked(t: torch.Tensor) -> bool:
         if level is not None and is_gradtrackingtensor(t) and maybe_get_level(t) == level:
             return True
+        if batched_at is not None and is_batchedtensor(t) and maybe_get_level(t) == batched_at:
+            return True
         return t.requires_grad and (t.is_floating_point() or t.is_complex())
 
-    captured = [t for t in closure_tensors(fns) if tracked(t) and not any(t is x for x in operands)]
+    slots: dict[int, list[Slot]] = {}
+    found = closure_tensors(fns, slots=slots)
+    captured = [t for t in found if tracked(t) and not any(t is x for x in operands)]
     if not captured:
         return list(fns), []
     _observe.closures(captured)
-    return [with_closure_as_inputs(fn, captured) for fn in fns], captured
+    return [with_closure_as_inputs(fn, captured, slots=slots) for fn in fns], captured
 
 
-def with_closure_as_inputs(fn: Callable[..., Any], captured: Sequence[torch.Tensor]) -> Callable[..., Any]:
+def with_closure_as_inputs(
+    fn: Callable[..., Any], captured: Sequence[torch.Tensor], *, slots: dict[int, list[Slot]] | None = None
+) -> Callable[..., Any]:
     """``fn`` taking ``captured`` as extra trailing inputs: ``converted(*args, *values)``
     runs ``fn(*args)`` in which every use of ``captured[i]`` reads ``values[i]``.
 
@@ -351,14 +420,19 @@ def with_closure_as_inputs(fn: Callable[..., Any], captured: Sequence[torch.Tens
     parameters, a tensor a torch.func transform tracks) become extra inputs. Every
     torch call made while ``fn`` runs sees them swapped by identity (a
     torch-function mode), whatever the closure's form (cells, bound ``self``,
-    globals); so do the callables of hop operators nested in it.
+    globals); so do the callables of hop operators nested in it. ``slots`` (from
+    :func:`closure_tensors`) says where modules hold captured tensors: each run puts
+    the values it is given there (Note [a re-run reads the closure it was converted with]).
     """
     keep = list(captured)  # keeps the ids valid
     n = len(keep)
+    where = [(k, slot) for k, t in enumerate(keep) for slot in (slots or {}).get(id(t), ())]
 
     def converted(*args: Any) -> Any:
-        subs = {id(t): a for t, a in zip(keep, args[len(args) - n :], strict=True)}
-        return _rebound_callable(fn, subs)(*args[: len(args) - n])
+        values = args[len(args) - n :]
+        subs = {id(t): a for t, a in zip(keep, values, strict=True)}
+        installs = [(slot, values[k]) for k, slot in where]
+        return _rebound_callable(fn, subs, installs)(*args[: len(args) - n])
 
     converted.__wrapped__ = fn  # type: ignore[attr-defined]
     converted.__qualname__ = getattr(fn, "__qualname__", "branch")

@@ -204,11 +204,18 @@ class _BranchFunction(torch.autograd.Function):
 
 
 def _as_node(
-    branching: Branching, sel: Any, branches: Sequence[Fn], operands: Sequence[Any], level: int | None = None
+    branching: Branching,
+    sel: Any,
+    branches: Sequence[Fn],
+    operands: Sequence[Any],
+    level: int | None = None,
+    *,
+    batched_at: int | None = None,
 ) -> Any:
     """One autograd node; tensors the branches read from their closures and that need
-    grad become inputs too (Note [closure conversion] in hop._closures)."""
-    branches, captured = _closures.convert_closures(branches, operands, level)
+    grad (or are batched at the vmap level ``batched_at``) become inputs too (Note
+    [closure conversion] in hop._closures)."""
+    branches, captured = _closures.convert_closures(branches, operands, level, batched_at=batched_at)
     operands = (*operands, *captured)
     return _BranchFunction.apply(branching, sel, _Branches(tuple(branches)), *operands)  # type: ignore[no-untyped-call]
 
@@ -231,7 +238,7 @@ def vmap(branching: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn
         # Note [finished elements are not differentiated] (hop.ops._while_run): the
         # node selects each element's gradient from its own branch
         if reverse_tracked([*operands, *_closures.closure_tensors(branches)]):
-            return _as_node(branching, sel, branches, operands)
+            return _as_node(branching, sel, branches, operands, batched_at=level)
         return _select_batched(branching, sel, branches, operands)
     if _transforms.is_concrete(sel):
         out = inline(branching, sel, branches, operands)

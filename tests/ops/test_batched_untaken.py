@@ -155,3 +155,46 @@ def test_traced_gradients(name: str) -> None:
         torch._dynamo.reset()
         torch.testing.assert_close(torch.compile(program, backend="aot_eager", fullgraph=True)(x), expected)
     torch._dynamo.reset()
+
+
+# --- a branch or body that also reads a batched tensor from its closure ----------------------
+
+
+def _walk(w: torch.Tensor, s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Steps while the sum stays under 3, each adding ``w`` times the step's noise ``u[t]``
+    (``u`` is read from the closure: under vmap, a batched tensor)."""
+    running = lambda t, x: (t < 5) & (x.sum() < 3)  # noqa: E731
+    step = lambda t, x: (t + 1, x + w * u.index_select(0, t.reshape(1)).squeeze(0))  # noqa: E731
+    return hop.while_loop(running, step, (torch.zeros((), dtype=torch.long), s))[1].sum()
+
+
+def _walk_python(w: torch.Tensor, s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    t, x = 0, s
+    while t < 5 and bool(x.sum() < 3):
+        x, t = x + w * u[t], t + 1
+    return x.sum()
+
+
+def _pick(w: torch.Tensor, s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return hop.cond(s.sum() > 1, lambda a: (a * w * u[0]).sum(), lambda a: (a * 2 * u[1]).sum(), (s,))
+
+
+def _pick_python(w: torch.Tensor, s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return (s * w * u[0]).sum() if bool(s.sum() > 1) else (s * 2 * u[1]).sum()
+
+
+@pytest.mark.parametrize(("fn", "twin"), [(_walk, _walk_python), (_pick, _pick_python)], ids=["while_loop", "cond"])
+def test_a_batched_closure_under_grad_of_vmap(fn: Callable[..., Any], twin: Callable[..., Any]) -> None:
+    # the branch autograd node's forward runs under a vmap of its own: a closure batched
+    # at the old level failed functorch's internal assert ("batched == nullptr")
+    g = torch.Generator().manual_seed(0)
+    w, s, u = torch.tensor(0.7), torch.rand(4, 3, generator=g) * 1.5, torch.rand(4, 5, generator=g)
+    batched = lambda w, s, u: torch.vmap(fn, (None, 0, 0))(w, s, u).sum()  # noqa: E731
+    want = torch.func.grad(lambda w: sum(twin(w, s[i], u[i]) for i in range(4)))(w)
+    torch.testing.assert_close(torch.func.grad(batched)(w, s, u), want)
+    leaf = w.clone().requires_grad_()
+    batched(leaf, s, u).backward()
+    torch.testing.assert_close(leaf.grad, want)
+    # vmap of grad of a vmap of one element (a per-example gradient of a batched model)
+    per_example = torch.vmap(torch.func.grad(lambda w, s, u: batched(w, s[None], u[None])), (None, 0, 0))(w, s, u)
+    torch.testing.assert_close(per_example, torch.stack([torch.func.grad(twin)(w, s[i], u[i]) for i in range(4)]))
