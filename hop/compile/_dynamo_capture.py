@@ -54,6 +54,7 @@ from hop.compile._dynamo_values import (
     rebuilds,
     unflatten,
 )
+from hop.compile._functorch_levels import current_level, levels_from_nesting
 from hop.errors import HopError
 
 __all__ = [
@@ -177,6 +178,7 @@ def _speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT], flat_out
     if plain is not None:  # Note [pytrees read without tracing]: Dynamo need not flatten them
         sub_args, inputs = plain[0], "manual"
     flat = _Flat(fn, None if plain is None else plain[1], flat_out)
+    base = current_level()  # Note [a captured graph finds its transform levels at run time]
     try:
         with reads_kept_in_root(tx):  # Note [values a subgraph reads stay readable]
             (out, out_spec), graph, lifted = speculate_subgraph(
@@ -228,6 +230,7 @@ def _speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT], flat_out
             fix=f"Call {effect} outside the operator, or outside the compiled function.",
         )
     _unbatch_placeholders(graph)
+    levels_from_nesting(graph, base)
     spec = flat.out_spec if flat_out else cast(VT, out_spec.treespec)  # a variable, despite its annotation
     assert spec is not None, "speculate_subgraph returned without calling the callable"
     return Subgraph(graph, dict(lifted), items(tx, out), spec)

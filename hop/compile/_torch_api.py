@@ -130,6 +130,37 @@ PRIVATE: tuple[Private, ...] = (
         "torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode",
     ),
     *_listed(
+        "hop.compile._functorch_levels (the transform calls Dynamo records)",
+        *(
+            f"torch._C._functorch.{name}"
+            for name in (
+                "_grad_increment_nesting",
+                "_grad_decrement_nesting",
+                "_vmap_increment_nesting",
+                "_vmap_decrement_nesting",
+                "_jvp_increment_nesting",
+                "_jvp_decrement_nesting",
+                "_wrap_for_grad",
+                "_unwrap_for_grad",
+                "_add_batch_dim",
+                "_remove_batch_dim",
+                "maybe_current_level",
+            )
+        ),
+        *(
+            f"torch._functorch.predispatch.{name}"
+            for name in (
+                "_vmap_increment_nesting",
+                "_vmap_decrement_nesting",
+                "_jvp_increment_nesting",
+                "_jvp_decrement_nesting",
+                "_unwrap_for_grad",
+                "_add_batch_dim",
+                "_remove_batch_dim",
+            )
+        ),
+    ),
+    *_listed(
         "hop.compile._dynamo_errors (fake propagation errors, see fake_propagation_errors)",
         "torch._dynamo.exc.FakeTensorObservedException",
         since=(2, 14),

@@ -371,6 +371,7 @@ def _bind_item_symbols(*graphs: torch.fx.GraphModule) -> set[Any]:
     items = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
     symbols: set[Any] = set()
     for gm in graphs:
+        renamed: dict[Any, Any] = {}
         for node in gm.graph.nodes:
             val = node.meta.get("val")
             if node.target in items and isinstance(val, (torch.SymInt, torch.SymFloat)):
@@ -382,10 +383,22 @@ def _bind_item_symbols(*graphs: torch.fx.GraphModule) -> set[Any]:
                     shape_env = V.graph.sizevars.shape_env
                     with shape_env.ignore_fresh_unbacked_symbols():
                         val = shape_env.create_unbacked_symfloat()
+                    renamed[symbol] = val.node.expr
                     node.meta["val"], symbol = val, val.node.expr
                 if symbol.is_Symbol and free_unbacked_symbols(symbol):
                     node.meta.setdefault("unbacked_bindings", {symbol: ()})
                     symbols.add(symbol)
+            elif renamed and isinstance(val, (torch.SymInt, torch.SymFloat)):
+                # arithmetic on the read (``0.5 * EPS``) names the read's new symbol too
+                expr = val.node.expr.xreplace(renamed)
+                if expr != val.node.expr:
+                    shape_env = V.graph.sizevars.shape_env
+                    make = (
+                        shape_env.create_symfloatnode
+                        if isinstance(val, torch.SymFloat)
+                        else shape_env.create_symintnode
+                    )
+                    node.meta["val"] = make(expr, hint=None)
     return symbols
 
 

@@ -46,7 +46,23 @@ def read_by_the_body(x: torch.Tensor) -> torch.Tensor:
     return hop.while_loop(lambda i, v, done: (i < 4) & (~done).any(), body, start)[1]
 
 
-PROGRAMS: list[Callable[[torch.Tensor], Any]] = [both_branches, condition_and_body, counted_body, read_by_the_body]
+def arithmetic_in_a_nested_loop(x: torch.Tensor) -> torch.Tensor:
+    # the float, read in an inner loop's body, takes part in arithmetic before it meets a
+    # tensor (``0.5 * EPS``): the symbol hop gave the read was not the one that arithmetic
+    # used (Inductor: "zuf8 not in {...}"; found by tests/models' HMC sampler)
+    def inner(c: torch.Tensor) -> torch.Tensor:
+        return hop.while_loop(lambda k, v: k < 2, lambda k, v: (k + 1, v - 0.5 * EPS * v.sin()), (0, c))[1]
+
+    return hop.scan(lambda c, r: (inner(c) + r, c), x, torch.ones(3, x.shape[0]))[0]
+
+
+PROGRAMS: list[Callable[[torch.Tensor], Any]] = [
+    both_branches,
+    condition_and_body,
+    counted_body,
+    read_by_the_body,
+    arithmetic_in_a_nested_loop,
+]
 INPUTS = [torch.tensor([1.0, 0.5, -0.25]), torch.tensor([-2.0, 0.5, 0.25]), torch.tensor([0.1, 0.2, 0.3, 0.4])]
 
 
