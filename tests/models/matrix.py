@@ -170,3 +170,48 @@ def check_compile_training(
         want = run(reference, list(reference.parameters()), case)
         assert_same(got[0], want[0], f"torch.compile({backend}) training case {k}")
         assert_same(got[1], want[1], f"grad of torch.compile({backend}) case {k}")
+
+
+def check_onnx(model: torch.nn.Module, example: Case, cases: Sequence[Case], dynamic_shapes: Any = None) -> None:
+    """``torch.onnx.export(dynamo=True)`` of the model, loaded and run in onnxruntime."""
+    import warnings
+
+    import pytest
+
+    ort = pytest.importorskip("onnxruntime", reason="the ONNX check runs the file in onnxruntime (a dev extra)")
+    pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (a dev extra)")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the exporter's own notes
+        program = torch.onnx.export(model, example, dynamic_shapes=dynamic_shapes, dynamo=True, verbose=False)
+    session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    for k, case in enumerate(cases):
+        got = session.run(None, dict(zip(names, [x.numpy() for x in pytree.tree_leaves(case)], strict=True)))
+        with torch.no_grad():
+            want = model(*case)
+        assert_same([torch.from_numpy(g) for g in got], want, f"ONNX (onnxruntime) case {k}")
+
+
+DEPLOYMENTS = ("export", "strict export refused", "aoti", "onnx")
+
+
+def check_deployment(
+    path: str, model: torch.nn.Module, example: Case, cases: Sequence[Case], tmp: Path, dynamic_shapes: Any = None
+) -> None:
+    """One of :data:`DEPLOYMENTS`: non-strict export (saved, loaded, decomposed); strict
+    export of a ``torch.vmap`` whose callables read module parameters, which Dynamo
+    cannot lift (the documented ``CompileUnsupported``, docs/compile.md); an AOTInductor
+    package in a fresh process; an ONNX file in onnxruntime."""
+    import pytest
+
+    from hop.errors import CompileUnsupported
+
+    if path == "strict export refused":
+        with pytest.raises(CompileUnsupported, match=r"reads a tensor that requires grad \(a module parameter\)"):
+            torch.export.export(model, example, dynamic_shapes=dynamic_shapes, strict=True)
+    elif path == "export":
+        check_export(model, example, cases, dynamic_shapes=dynamic_shapes, strict_modes=(False,))
+    elif path == "aoti":
+        check_aoti(model, example, cases, tmp, dynamic_shapes=dynamic_shapes)
+    else:
+        check_onnx(model, example, cases, dynamic_shapes=dynamic_shapes)
