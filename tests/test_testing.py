@@ -127,6 +127,7 @@ class _WrongGrad(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
         ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -154,6 +155,50 @@ def test_check_names_the_transform_and_path_of_a_wrong_vmap() -> None:
         check(program, torch.ones(2), transforms=["eager", "vmap"])
     assert (info.value.transform, info.value.path) == ("vmap", 'output[1]["h"]')
     assert "\ngot:      tensor([[2.0000, 2.0000]," in str(info.value)  # the first copy is the input itself
+
+
+def _under_vmap() -> bool:
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack)
+
+
+class _WrongUnderVmap(_WrongGrad):
+    """sin, whose derivatives are wrong (doubled) when run batched: right per example,
+    and wrong only where a vmap is involved."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return g * x.cos() * (2 if _under_vmap() else 1)
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t * ctx.saved_tensors[0].cos() * (2 if _under_vmap() else 1)
+
+
+@pytest.mark.parametrize("transform", ["vmap_grad", "grad_vmap", "vmap_jvp"])
+def test_compositions_catch_a_derivative_wrong_only_under_vmap(transform: str) -> None:
+    x = torch.randn(3, dtype=torch.float64)
+    report = check(_WrongUnderVmap.apply, x, transforms=["eager", "autograd", "jvp", "vmap"])
+    assert report.ran == ["eager", "autograd", "jvp", "vmap"]  # right one example at a time
+    with pytest.raises(CheckFailure, match=rf"^hop.testing.check: {transform} at (grad|tangent) of"):
+        check(_WrongUnderVmap.apply, x, transforms=["eager", transform], reference=torch.sin)
+
+
+@pytest.mark.parametrize("layout", S.LAYOUTS)
+def test_layouts_keep_shape_and_values(layout: str) -> None:
+    t = torch.arange(24.0).reshape(2, 3, 4)
+    u = S.with_layout(t, layout)
+    assert u.shape == t.shape
+    want = t[:1].expand(t.shape) if layout == "expanded" else t
+    assert torch.equal(u, want)
+    assert u.is_contiguous() == (layout in ("contiguous", "offset"))
+    assert (u.storage_offset() == 1) == (layout == "offset")
+    case = S.Case(P.Program(("x",), (P.Var("x"),)), (t,), (layout,))
+    if layout != "contiguous":
+        assert "with_layout(torch.tensor(" in repr(case) and repr(case).count("import") == 1
 
 
 def test_check_fails_on_a_wrong_eager_result_and_a_raising_transform() -> None:
@@ -232,7 +277,9 @@ def _counted(x: torch.Tensor) -> Any:
     return n, z, hop.scan(lambda c, r: (c + r, c * r), z[0], z)
 
 
-@pytest.mark.parametrize("transform", ["compile_aot_eager", "compile_inductor", "export_strict", "aoti"])
+@pytest.mark.parametrize(
+    "transform", ["compile_aot_eager", "compile_inductor", "compile_inductor_vmap", "export_strict", "aoti"]
+)
 def test_compiled_transforms_pass_and_report(transform: str) -> None:
     report = check(_counted, torch.randn(4, 3, dtype=torch.float64), transforms=("eager", transform))
     assert report.ran == ["eager", transform]

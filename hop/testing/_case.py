@@ -26,9 +26,22 @@ from hop.errors import CompileUnsupported, HopValueError
 
 Fn = Callable[..., Any]
 
-TRANSFORMS = ("eager", "autograd", "gradcheck", "jvp", "vmap", "fake", "make_fx_fake", "make_fx_symbolic", "export")
+TRANSFORMS = (
+    "eager",
+    "autograd",
+    "gradcheck",
+    "jvp",
+    "vmap",
+    "vmap_grad",
+    "grad_vmap",
+    "vmap_jvp",
+    "fake",
+    "make_fx_fake",
+    "make_fx_symbolic",
+    "export",
+)
 # The compiler bridge, opt-in (each compiles: seconds per program, an AOTInductor build tens of seconds).
-COMPILED = ("compile_aot_eager", "compile_inductor", "export_strict", "aoti")
+COMPILED = ("compile_aot_eager", "compile_inductor", "compile_inductor_vmap", "export_strict", "aoti")
 
 
 def reference() -> Any:
@@ -62,20 +75,42 @@ class Skip(Exception):
     """A transform that does not apply to the program; the message says why."""
 
 
+# The transforms that run the program under torch.vmap: vmap's limitations are theirs.
+VMAPPED = ("vmap", "vmap_grad", "grad_vmap", "vmap_jvp", "compile_inductor_vmap")
+
 # Documented limitations of hop (see the operator pages) and of torch: when the
 # program raises one of these under a transform, the transform does not apply.
 LIMITATIONS: list[tuple[str, type[BaseException], str, str]] = [
-    ("vmap", HopValueError, r"must return equal sizes", "branches return different sizes under a batched selector"),
-    ("vmap", HopValueError, r"int carries cannot change", "an int carry changes under a batched loop condition"),
-    ("vmap", HopValueError, r"carries cannot change size", "a carry changes size under a batched loop condition"),
-    ("vmap", HopValueError, r"exported loops carry tensors only", "an int carry in an exported loop under vmap"),
-    ("vmap", RuntimeError, r"^vmap: .*(data-dependent|dynamic shape|item\(\))", "torch.vmap: a data-dependent op"),
-    ("vmap", RuntimeError, r"Batching rule not implemented for aten::(nonzero|masked_select|_local_scalar)", "torch"),
-    (
-        "vmap",
-        IndexError,
-        r"^(The shape of the mask .* does not match|too many indices for tensor of dimension)",
-        "torch.vmap: a boolean mask of a zero-size tensor",
+    *(
+        (name, HopValueError, r"must return equal sizes", "branches return different sizes under a batched selector")
+        for name in VMAPPED
+    ),
+    *(
+        limit
+        for name in VMAPPED
+        for limit in (
+            (name, HopValueError, r"int carries cannot change", "an int carry changes under a batched loop condition"),
+            (name, HopValueError, r"carries cannot change size", "a carry changes size under a batched loop condition"),
+            (name, HopValueError, r"exported loops carry tensors only", "an int carry in an exported loop under vmap"),
+            (
+                name,
+                RuntimeError,
+                r"^vmap: .*(data-dependent|dynamic shape|item\(\))",
+                "torch.vmap: a data-dependent op",
+            ),
+            (
+                name,
+                RuntimeError,
+                r"Batching rule not implemented for aten::(nonzero|masked_select|_local_scalar)",
+                "torch",
+            ),
+            (
+                name,
+                IndexError,
+                r"^(The shape of the mask .* does not match|too many indices for tensor of dimension)",
+                "torch.vmap: a boolean mask of a zero-size tensor",
+            ),
+        )
     ),
 ]
 

@@ -16,7 +16,8 @@ from typing import Any
 from hop import _reference
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.testing._case import COMPILED, TRANSFORMS, CheckCase, CheckFailure, Fn, Skip, reference
-from hop.testing._compiled_checks import check_aoti, check_compile, check_export_strict
+from hop.testing._compiled_checks import check_aoti, check_compile, check_compile_vmap, check_export_strict
+from hop.testing._composition_checks import check_grad_vmap, check_vmap_grad, check_vmap_jvp
 from hop.testing._transform_checks import (
     check_autograd,
     check_eager,
@@ -68,6 +69,9 @@ def check(
             reference's); ``gradcheck`` (float64 inputs only); ``jvp``
             (``torch.func.jvp``); ``vmap`` (over ``batch_size`` perturbed copies
             of every tensor input, against a Python loop of the reference);
+            ``vmap_grad`` / ``grad_vmap`` (the gradient of those copies taken
+            inside the vmap, per example, and outside it, as a batch is trained:
+            each row's equals the reference's on that row); ``vmap_jvp``;
             ``fake`` (output metadata under ``FakeTensorMode``, unbacked sizes
             within their ranges); ``make_fx_fake`` / ``make_fx_symbolic`` (the
             graph runs and matches on ``args`` and on perturbed copies);
@@ -76,6 +80,8 @@ def check(
             each on ``args`` and on perturbed copies that take other branches and
             trip counts, forward and (for float inputs) gradients:
             ``compile_aot_eager`` / ``compile_inductor`` (``torch.compile(fullgraph=True)``),
+            ``compile_inductor_vmap`` (the vmapped program compiled, forward and the
+            gradient outside the vmap),
             ``export_strict`` (``torch.export.export(strict=True)``), ``aoti``
             (an AOTInductor package of the exported program, loaded and run; forward
             only). A documented refusal (``hop.errors.CompileUnsupported``) skips the
@@ -189,12 +195,16 @@ _CHECKS: dict[str, Callable[[CheckCase], None]] = {
     "gradcheck": check_gradcheck,
     "jvp": check_jvp,
     "vmap": check_vmap,
+    "vmap_grad": check_vmap_grad,
+    "grad_vmap": check_grad_vmap,
+    "vmap_jvp": check_vmap_jvp,
     "fake": check_fake,
     "make_fx_fake": lambda case: check_make_fx(case, "fake"),
     "make_fx_symbolic": lambda case: check_make_fx(case, "symbolic"),
     "export": check_export,
     "compile_aot_eager": lambda case: check_compile(case, "aot_eager"),
     "compile_inductor": lambda case: check_compile(case, "inductor"),
+    "compile_inductor_vmap": check_compile_vmap,
     "export_strict": check_export_strict,
     "aoti": check_aoti,
 }

@@ -27,6 +27,7 @@ from hop.testing._case import (
     roundtrip,
     running,
 )
+from hop.testing._composition_checks import compile_vmap
 
 
 def _check_forward_and_grads(case: CheckCase, transform: str, program: Fn, grads: bool = True) -> None:
@@ -102,3 +103,7 @@ def _as_reference(out: Any, reference: Any) -> Any:
     pairs = zip(o_leaves, l_leaves, strict=True)
     fixed = [int(o) if isinstance(w, int) and isinstance(o, torch.Tensor) else o for o, w in pairs]
     return unflatten(fixed, spec)
+
+
+def check_compile_vmap(case: CheckCase) -> None:
+    compile_vmap(case, _traceable_program(case))

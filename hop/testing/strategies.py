@@ -5,7 +5,9 @@
 - :func:`programs`: a :class:`~hop.testing.programs.Program` of a given input
   shape, nesting the chosen operators up to ``depth``;
 - :func:`cases`: a program together with inputs for it, printed as source
-  and values, ready for :func:`hop.testing.check`.
+  and values, ready for :func:`hop.testing.check`; each input in one of
+  ``LAYOUTS`` (:func:`with_layout`: expanded with stride 0, as vmap broadcasts,
+  transposed, a slice at an offset, channels-last, or contiguous).
 
 Draws shrink toward plain variables, so a failure reduces to a short program.
 """
@@ -20,13 +22,34 @@ from hypothesis import strategies as st
 
 from hop.testing import programs as P
 
-__all__ = ["OPERATORS", "KINDS", "Case", "tensors", "shapes", "programs", "cases"]
+__all__ = ["OPERATORS", "KINDS", "LAYOUTS", "Case", "tensors", "shapes", "programs", "cases", "with_layout"]
 
 OPERATORS = ("cond", "switch", "while_loop", "fori_loop", "map", "scan", "associative_scan")
 KINDS = tuple(P.UNARY)  # pointwise, reduction, matmul, view, indexing, constant, data_dependent
 FLOATS = (torch.float32, torch.float64)
 Shape = tuple[int, ...]
 COUNTER: Shape = (-1,)  # the shape of a loop counter in scope: no tensor expression uses it
+
+
+LAYOUTS = ("contiguous", "expanded", "transposed", "offset", "channels_last")
+
+
+def with_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s shape in ``layout`` (one of ``LAYOUTS``); a layout a tensor cannot have
+    (a transposed vector, an expanded 0-dim tensor) gives ``t`` as it is.
+
+    ``expanded`` repeats the first slice along dim 0 with stride 0 (overlapping
+    elements, as vmap broadcasts an unbatched value): the values change to that
+    slice's; the other layouts keep the values."""
+    if layout == "expanded" and t.dim() >= 1 and t.shape[0] >= 1:
+        return t[:1].expand(t.shape)
+    if layout == "transposed" and t.dim() >= 2:
+        return t.transpose(0, -1).contiguous().transpose(0, -1)
+    if layout == "offset":
+        return torch.cat([torch.zeros_like(t).reshape(-1)[:1], t.reshape(-1)])[1:].view(t.shape)
+    if layout == "channels_last" and t.dim() == 3:
+        return t.unsqueeze(0).contiguous(memory_format=torch.channels_last)[0]
+    return t
 
 
 def shapes(*, min_rank: int = 0, max_rank: int = 3, max_side: int = 4) -> st.SearchStrategy[Shape]:
@@ -204,9 +227,12 @@ def programs(
 class Case:
     """A program and its inputs; prints as both, so a failure shows what to rerun."""
 
-    def __init__(self, program: P.Program, args: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self, program: P.Program, args: tuple[torch.Tensor, ...], layouts: Sequence[str] | None = None
+    ) -> None:
         self.program = program
-        self.args = args
+        self.layouts = tuple(layouts) if layouts is not None else ("contiguous",) * len(args)
+        self.args = tuple(with_layout(a, k) for a, k in zip(args, self.layouts, strict=True))
 
     def skips(self) -> dict[str, str]:
         """Transforms not to check for this case, with why (for ``check(skip=...)``).
@@ -221,10 +247,12 @@ class Case:
         printer.text(repr(self))
 
     def __repr__(self) -> str:
-        values = "".join(
-            f"{n} = torch.tensor({a.tolist()!r}, dtype={a.dtype}).reshape({tuple(a.shape)})\n"
-            for n, a in zip(self.program.params, self.args, strict=True)
-        )
+        values = ""
+        for n, a, layout in zip(self.program.params, self.args, self.layouts, strict=True):
+            value = f"torch.tensor({a.tolist()!r}, dtype={a.dtype}).reshape({tuple(a.shape)})"
+            values += f"{n} = {value}\n" if layout == "contiguous" else f"{n} = with_layout({value}, {layout!r})\n"
+        if any(layout != "contiguous" for layout in self.layouts):
+            values = "from hop.testing.strategies import with_layout\n" + values
         return self.program.to_source() + values
 
 
@@ -237,11 +265,14 @@ def cases(
     dtypes: Sequence[torch.dtype] = FLOATS,
     depth: int = 2,
     min_rank: int = 0,
+    layouts: Sequence[str] = LAYOUTS,
     **program_options: Any,
 ) -> Case:
-    """A :class:`Case`: inputs ``x`` and ``y`` of one drawn shape and dtype, and a program of them."""
+    """A :class:`Case`: inputs ``x`` and ``y`` of one drawn shape and dtype, each in one of
+    ``layouts`` (contiguous drawn first, so failures shrink toward it), and a program of them."""
     shape = draw(shapes(min_rank=min_rank))
     dtype = draw(st.sampled_from(list(dtypes)))
     program = draw(programs(shape, ops=ops, depth=depth, **program_options))
     args = tuple(draw(tensors(dtypes=[dtype], shape=shape)) for _ in program.params)
-    return Case(program, args)
+    drawn = tuple(draw(st.sampled_from(list(layouts))) for _ in program.params)
+    return Case(program, args, drawn)
