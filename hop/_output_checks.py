@@ -11,13 +11,15 @@ and never traces.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import types
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from hop._pytree import flatten, leaf_paths, structure_str
-from hop.errors import OutputMismatchError, format_message
+from hop.errors import HopTypeError, OutputMismatchError, format_message
 
 __all__ = ["LeafMeta", "check_same_outputs", "describe", "describe_fn", "leaf_meta"]
 
@@ -102,10 +104,12 @@ def check_same_outputs(
         where = f" ({', '.join(named)})" if named else ""
         leaves, spec = flatten(out)
         if spec != ref_spec:
+            counted = _count_difference(outputs[0], out)
             raise OutputMismatchError(
                 format_message(
                     op,
-                    f"{pair} return different structures: {structure_str(outputs[0])} vs {structure_str(out)}{where}",
+                    f"{pair} return different structures: {structure_str(outputs[0])} vs {structure_str(out)}"
+                    f"{counted}{where}",
                     fix=f"Make {pair} return the same pytree structure.",
                 ),
                 op=op,
@@ -135,3 +139,65 @@ def check_same_outputs(
                     role=role,
                     path=path,
                 )
+
+
+def _count_difference(a: Any, b: Any) -> str:
+    """``: 2 values vs 1`` when both are tuples or lists of different lengths (a body
+    that returns one carry of two), else nothing."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) != len(b):
+        return f": {len(a)} value{'s' if len(a) != 1 else ''} vs {len(b)}"
+    if isinstance(a, (tuple, list)) and len(a) > 1 and not isinstance(b, (tuple, list)):
+        return f": {len(a)} values vs a single one"
+    return ""
+
+
+# Positional arity of a plain function's code: (fewest, most or None), cached by code.
+_ARITY: dict[Any, tuple[int, int | None] | None] = {}
+
+
+def _arity(fn: Any) -> tuple[int, int | None] | None:
+    """How many positional arguments ``fn`` takes, for a Python function or a bound method;
+    None when unknown (a builtin, a partial, a module) or when a keyword-only argument
+    has no default."""
+    bound = 0
+    if isinstance(fn, types.MethodType):
+        fn, bound = fn.__func__, 1
+    if not isinstance(fn, types.FunctionType):
+        return None
+    code = fn.__code__
+    if code not in _ARITY:
+        kw_defaults = fn.__kwdefaults__ or {}
+        kwonly = code.co_varnames[code.co_argcount : code.co_argcount + code.co_kwonlyargcount]
+        if any(k not in kw_defaults for k in kwonly):
+            _ARITY[code] = None
+        else:
+            fewest = code.co_argcount - len(fn.__defaults__ or ())
+            most = None if code.co_flags & inspect.CO_VARARGS else code.co_argcount
+            _ARITY[code] = (fewest, most)
+    found = _ARITY[code]
+    if found is None:
+        return None
+    fewest, most = found
+    return max(fewest - bound, 0), None if most is None else most - bound
+
+
+def check_arity(op: str, role: str, fn: Any, n: int, takes: str) -> None:
+    """A ``HopTypeError`` when ``fn`` cannot be called with ``n`` positional arguments
+    (a body that takes ``val`` where ``(i, val)`` is passed), before it runs."""
+    arity = _arity(fn)
+    if arity is None:
+        return
+    fewest, most = arity
+    if fewest <= n and (most is None or n <= most):
+        return
+    accepts = f"{fewest}" if fewest == most else f"{fewest} to {most}" if most is not None else f"at least {fewest}"
+    raise HopTypeError(
+        format_message(
+            op,
+            f"{role} takes {takes}: it is called with {n} positional argument{'s' if n != 1 else ''}, "
+            f"but {describe_fn(fn)} accepts {accepts}",
+            fix=f"Define {role} to take {takes}.",
+        ),
+        op=op,
+        role=role,
+    )

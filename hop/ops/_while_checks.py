@@ -18,6 +18,7 @@ import torch
 
 from hop import _validation as validation
 from hop import subgraph as _subgraph
+from hop._output_checks import check_arity
 from hop.errors import HopTypeError, format_message, not_a_sequence, type_name
 
 Fn = Callable[..., Any]
@@ -32,6 +33,9 @@ def check_arguments(cond_fn: Any, body_fn: Any, carried_inputs: Any) -> None:
             )
     if not isinstance(carried_inputs, (tuple, list)):
         raise not_a_sequence(NAME, "carried_inputs", type_name(carried_inputs))
+    n = len(carried_inputs)
+    for role, fn in (("cond_fn", cond_fn), ("body_fn", body_fn)):
+        check_arity(NAME, role, fn, n, f"one argument per carry ({n})")
     for path, leaf in zip(
         _subgraph.leaf_paths(tuple(carried_inputs), "carried_inputs"),
         _subgraph.flatten(tuple(carried_inputs))[0],

@@ -31,6 +31,7 @@ Compiled: Dynamo ``hop.compile._dynamo_scans.AssociativeScanVariable``; Inductor
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ from hop import (
     _spec,
 )
 from hop._operator import HigherOrderOperator
-from hop.errors import HopTypeError, HopValueError, format_message, type_name
+from hop.errors import HopError, HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops import _common, _loop_checks, _loop_values, _looping, _scan_derivatives
 from hop.ops._branching import as_tuple
 from hop.ops._common import NOT_TAKEN, differentiable, front, save_operands, saved_operands
@@ -106,7 +107,7 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
     dims, n = _loop_checks.check_xs(_NAME, xs, leaves, dim)
     moved = [x.movedim(d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
     moved = [x.flip(0) for x in moved] if reverse else moved
-    body = _flat_body(combine_fn, spec, xs)
+    body = _flat_body(combine_fn, spec, xs, combine_mode)
     if _looping.runs_inline(n, leaves):
         out = associative_scan_dense(body, moved, (), combine_mode)
     else:
@@ -133,14 +134,37 @@ def check_options(combine_fn: Any, reverse: Any, combine_mode: Any) -> None:
         )
 
 
-def _flat_body(combine_fn: Fn, spec: Any, xs: Any) -> Fn:
-    """``combine_fn`` on flat leaves, checking that it returns what it was given."""
+_POINTWISE_FIX = (
+    'With combine_mode="pointwise" combine_fn receives whole runs of slices at once and must be '
+    'elementwise; one that reshapes, reduces or multiplies matrices needs combine_mode="generic".'
+)
+
+
+def _flat_body(combine_fn: Fn, spec: Any, xs: Any, combine_mode: str) -> Fn:
+    """``combine_fn`` on flat leaves, checking that it returns what it was given; in
+    pointwise mode, a failure says that the mode may be the cause."""
     n = spec.num_leaves
+    fix = _POINTWISE_FIX if combine_mode == "pointwise" else ""
 
     def body(*leaves: Any) -> tuple[Any, ...]:
         lhs = _pytree.unflatten(leaves[:n], spec)
-        out = combine_fn(lhs, _pytree.unflatten(leaves[n : 2 * n], spec))
-        return tuple(_loop_checks.check_like(_NAME, "combine_fn", combine_fn, lhs, out, "output", "xs and the output"))
+        try:
+            out = combine_fn(lhs, _pytree.unflatten(leaves[n : 2 * n], spec))
+        except RuntimeError as e:
+            if not fix or isinstance(e, HopError):
+                raise
+            raise HopValueError(
+                format_message(_NAME, f"combine_fn raised {type(e).__name__}: {e}", fix=fix),
+                op=_NAME,
+                role="combine_fn",
+            ) from e
+        try:
+            checked = _loop_checks.check_like(_NAME, "combine_fn", combine_fn, lhs, out, "output", "xs and the output")
+        except OutputMismatchError as e:
+            if not fix or not re.search(r"differ: (rank|shape|size)", str(e)):
+                raise
+            raise OutputMismatchError(f"{e} {fix}", op=e.op, role=e.role, path=e.path) from None
+        return tuple(checked)
 
     body.__qualname__ = getattr(combine_fn, "__qualname__", type(combine_fn).__qualname__)
     body.__wrapped__ = combine_fn  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from hop import _observe, _reference, _spec, _transforms
+from hop import _observe, _output_checks, _reference, _spec, _transforms
 from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
@@ -63,6 +63,7 @@ def fori_loop(
         raise HopTypeError(
             format_message(_NAME, f"body_fn must be callable, got {type_name(body_fn)}"), op=_NAME, role="body_fn"
         )
+    _output_checks.check_arity(_NAME, "body_fn", body_fn, 2, "(i, val)")
     _check_bound("lower", lower)
     _check_bound("upper", upper)
     leaves, spec = _subgraph.flatten(init_val)

@@ -22,7 +22,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _effects, _observe, _observe_calls, _pytree, _reference, _spec
+from hop import _effects, _observe, _observe_calls, _output_checks, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop.errors import HopTypeError, format_message, type_name
 from hop.ops import _loop_checks, _loop_values, _looping
@@ -80,6 +80,7 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     if taken is not NOT_TAKEN:  # Note [a public function's front]
         return taken
     _loop_checks.check_callable("scan", "combine_fn", combine_fn)
+    _output_checks.check_arity("scan", "combine_fn", combine_fn, 2, "(carry, x)")
     if type(reverse) is not bool:
         raise HopTypeError(
             format_message("scan", f"reverse must be a bool, got {type_name(reverse)}"), op="scan", role="reverse"
@@ -91,7 +92,11 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
         return no_steps(init, xs)
     dims, n = _loop_checks.check_xs("scan", xs, xs_leaves, dim)
     if _looping.runs_inline(n, init_leaves, xs_leaves):
-        return _scan_inline(combine_fn, init, xs, xs_leaves, xs_spec, dims, dim, n, reverse)
+        try:
+            return _scan_inline(combine_fn, init, xs, xs_leaves, xs_spec, dims, dim, n, reverse)
+        except TypeError as e:
+            _a_list_of_slices(xs, e)
+            raise
     body, y_spec = _flat_body(combine_fn, init_spec, xs_spec, dim)
     moved = tuple(x.movedim(d, 0) if d else x for x, d in zip(xs_leaves, dims, strict=True))
     body, lifted = _looping.lift_closures(body, lambda: _looping.examples(init_leaves, moved, ()))
@@ -99,6 +104,27 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     k = len(init_leaves)
     ys = [y.movedim(0, _loop_values.stack_dim(dim, y.dim() - 1)) if dim else y for y in out[k:]]
     return _pytree.unflatten(out[:k], init_spec), _pytree.unflatten(ys, y_spec[0])
+
+
+def _a_list_of_slices(xs: Any, error: TypeError) -> None:
+    """A TypeError from ``combine_fn`` when ``xs`` is a list of same-shaped tensors: the
+    user likely meant one tensor of stacked slices (a list is a pytree of several xs,
+    each scanned, and combine_fn receives a list)."""
+    if not isinstance(xs, (list, tuple)) or len(xs) < 2:
+        return
+    if not all(isinstance(x, torch.Tensor) and x.shape == xs[0].shape for x in xs):
+        return
+    raise HopTypeError(
+        format_message(
+            "scan",
+            f"combine_fn raised TypeError ({error}) on xs, a {type(xs).__name__} of {len(xs)} tensors: a "
+            f"{type(xs).__name__} is a pytree of {len(xs)} xs, each scanned along dim, and combine_fn receives a "
+            f"{type(xs).__name__} of their slices",
+            fix="To scan over the items, pass one tensor: torch.stack(xs).",
+        ),
+        op="scan",
+        role="xs",
+    ) from error
 
 
 def no_steps(init: Any, xs: Any) -> tuple[Any, Any]:

@@ -139,13 +139,18 @@ def _check_index(index: Any) -> None:
             format_message(
                 "switch",
                 f"index must be an integer tensor, got dtype {str(index.dtype).removeprefix('torch.')}",
+                fix="Convert it with index.long() (a bool with .long() too): hop never rounds an index.",
             ),
             op="switch",
             role="index",
         )
     if index.numel() != 1:
         raise HopValueError(
-            format_message("switch", f"index must have exactly one element, got shape {tuple(index.shape)}"),
+            format_message(
+                "switch",
+                f"index must have exactly one element, got shape {tuple(index.shape)}",
+                fix="To pick a branch per element, torch.vmap the switch over the indices.",
+            ),
             op="switch",
             role="index",
         )
