@@ -52,7 +52,7 @@ def test_same_outputs_pass_with_different_sizes() -> None:
         (
             (torch.zeros(1),),
             (torch.zeros(1), torch.zeros(1)),
-            "hop.cond: true_fn and false_fn return different structures: (*,) vs (*, *). "
+            "hop.cond: true_fn and false_fn return different structures: (*,) vs (*, *): 1 value vs 2. "
             "Make true_fn and false_fn return the same pytree structure.",
         ),
         (

@@ -11,7 +11,7 @@ the same wherever it is caught.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,14 @@ Fn = Callable[..., Any]
 NAME = "while_loop"
 
 
+def check_arities(cond_fn: Any, body_fn: Any, carried_inputs: Sequence[Any]) -> None:
+    """Each function takes one argument per carry (the public function's check: Dynamo's
+    handler sees a method as its function, without ``self``)."""
+    n = len(carried_inputs)
+    for role, fn in (("cond_fn", cond_fn), ("body_fn", body_fn)):
+        check_arity(NAME, role, fn, n, f"one argument per carry ({n})")
+
+
 def check_arguments(cond_fn: Any, body_fn: Any, carried_inputs: Any) -> None:
     for role, fn in (("cond_fn", cond_fn), ("body_fn", body_fn)):
         if not callable(fn):
@@ -33,9 +41,6 @@ def check_arguments(cond_fn: Any, body_fn: Any, carried_inputs: Any) -> None:
             )
     if not isinstance(carried_inputs, (tuple, list)):
         raise not_a_sequence(NAME, "carried_inputs", type_name(carried_inputs))
-    n = len(carried_inputs)
-    for role, fn in (("cond_fn", cond_fn), ("body_fn", body_fn)):
-        check_arity(NAME, role, fn, n, f"one argument per carry ({n})")
     for path, leaf in zip(
         _subgraph.leaf_paths(tuple(carried_inputs), "carried_inputs"),
         _subgraph.flatten(tuple(carried_inputs))[0],

@@ -107,6 +107,7 @@ def while_loop(
     if taken is not NOT_TAKEN:  # Note [a public function's front]
         return taken
     checks.check_arguments(cond_fn, body_fn, carried_inputs)
+    checks.check_arities(cond_fn, body_fn, carried_inputs)
     _checkpoint.check_flag(checkpoint)
     leaves, spec = _subgraph.flatten(tuple(carried_inputs))
     flat_cond, flat_body = checks.flat_functions(cond_fn, body_fn, spec)
