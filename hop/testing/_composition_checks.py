@@ -132,8 +132,11 @@ def check_vmap_jvp(case: CheckCase) -> None:
                 full[k] = f
             return tuple(o for o in flatten(on(*full))[0] if isinstance(o, torch.Tensor) and o.is_floating_point())
 
-        out: tuple[torch.Tensor, ...] = torch.func.jvp(of_floats, tuple(leaves[k] for k in batch.floats), tangents)[1]
-        return out
+        pair: Any = torch.func.jvp(of_floats, tuple(leaves[k] for k in batch.floats), tangents)
+        primal, tangent = pair
+        # torch's forward AD gives a 0-dim output a float64 tangent where a Python float
+        # took part (``x * 0.5``), and a batched one its primal's dtype: compare in the primal's
+        return tuple(t.to(p.dtype) for p, t in zip(primal, tangent, strict=True))
 
     with running("vmap_jvp", reference=True):
         rows = [jvp(case.ref, leaves) for leaves in batch.row_leaves]

@@ -156,3 +156,16 @@ def test_vmap_of_a_boolean_mask_after_an_associative_scan_is_a_torch_limitation(
     # (with the scan's output batched at dim 0, torch's message names the mask's shape)
     reasons = ("plain-Python program too", "a boolean mask of a zero-size tensor")
     assert report.ran == ["eager"] and any(r in report.skipped["vmap"] for r in reasons)
+
+
+def test_vmap_jvp_compares_tangents_in_the_primal_dtype() -> None:
+    """Found by the long profile: torch's forward AD gives a 0-dim output a float64
+    tangent where a Python float took part (``x * 0.5``), and the same output batched
+    its primal's dtype; vmap_jvp compared the reference's per-row float64 tangent with
+    hop's batched float32 one."""
+
+    def program(x: torch.Tensor) -> Any:
+        return hop.switch((x.sum().abs() * 3).long() % 1, [lambda a: a], (x * 0.5,))
+
+    report = check(program, torch.tensor(0.0), transforms=["eager", "vmap_jvp"])
+    assert report.ran == ["eager", "vmap_jvp"]
