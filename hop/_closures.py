@@ -297,14 +297,12 @@ def closure_tensors(
 
 
 def _module_slots(module: torch.nn.Module, found: dict[int, torch.Tensor], slots: dict[int, list[Slot]]) -> None:
-    for kind, named in (
-        ("_parameters", module.named_parameters(remove_duplicate=False)),
-        ("_buffers", module.named_buffers(remove_duplicate=False)),
-    ):
-        for path, t in named:
-            found.setdefault(id(t), t)
-            owner_path, _, name = path.rpartition(".")
-            slots.setdefault(id(t), []).append((module.get_submodule(owner_path), kind, name))
+    for owner in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(owner, kind).items():
+                if t is not None:
+                    found.setdefault(id(t), t)
+                    slots.setdefault(id(t), []).append((owner, kind, name))
 
 
 # Note [a re-run reads the closure it was converted with]
@@ -365,8 +363,12 @@ def _rebound_callable(
     fn: Callable[..., Any], subs: dict[int, Any], installs: Sequence[tuple[Slot, Any]] = ()
 ) -> Callable[..., Any]:
     def rebound(*args: Any) -> Any:
-        with _installed(installs), _Rebind(subs):
-            out = fn(*args)
+        if installs:
+            with _installed(installs), _Rebind(subs):
+                out = fn(*args)
+        else:
+            with _Rebind(subs):
+                out = fn(*args)
         return py_pytree.tree_map(lambda x: subs.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
 
     rebound.__wrapped__ = fn  # type: ignore[attr-defined]
