@@ -277,15 +277,23 @@ def _counted(x: torch.Tensor) -> Any:
     return n, z, hop.scan(lambda c, r: (c + r, c * r), z[0], z)
 
 
-@pytest.mark.parametrize(
-    "transform", ["compile_aot_eager", "compile_inductor", "compile_inductor_vmap", "export_strict", "aoti"]
-)
+def _counted_by_bounds(x: torch.Tensor) -> Any:
+    """The same without int outputs or int carries: what ONNX and an exported vmap take."""
+    y = hop.fori_loop(torch.tensor(0), torch.tensor(3), lambda i, v: v * 1.5 + i, x)
+    z = hop.cond(y.sum() > 0, lambda a: a.sin(), lambda a: a.cos(), (y,))
+    return z, hop.scan(lambda c, r: (c + r, c * r), z[0], z)
+
+
+@pytest.mark.parametrize("transform", hop.testing.COMPILED)
 def test_compiled_transforms_pass_and_report(transform: str) -> None:
-    report = check(_counted, torch.randn(4, 3, dtype=torch.float64), transforms=("eager", transform))
-    assert report.ran == ["eager", transform]
+    program = _counted_by_bounds if transform in ("export_vmap", "onnx") else _counted
+    report = check(program, torch.randn(4, 3, dtype=torch.float64), transforms=("eager", transform))
+    assert report.ran == ["eager", transform], report
 
 
-@pytest.mark.parametrize("transform", ["compile_aot_eager", "export_strict", "aoti"])
+@pytest.mark.parametrize(
+    "transform", ["compile_aot_eager", "compile_inductor_static", "export_strict", "export_vmap", "aoti", "onnx"]
+)
 def test_compiled_transforms_catch_a_compiled_value_that_differs(transform: str) -> None:
     def differs(x: torch.Tensor) -> torch.Tensor:
         scale = 2.0 if torch.compiler.is_compiling() else 1.0  # what eager computes differs

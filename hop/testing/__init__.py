@@ -4,8 +4,9 @@
   Python meaning (the oracle);
 - :func:`check`: a program against that oracle under eager, autograd,
   gradcheck, jvp, vmap, fake tensors, make_fx and torch.export, and, opt-in
-  (``COMPILED``), torch.compile with aot_eager and Inductor, strict export and
-  AOTInductor, returning a :class:`Report` and raising :class:`CheckFailure` on
+  (``COMPILED``), torch.compile with aot_eager and Inductor, strict export, the
+  vmapped program exported, AOTInductor in a fresh process and ONNX in
+  onnxruntime, returning a :class:`Report` and raising :class:`CheckFailure` on
   the first mismatch; :func:`bundle` makes many programs one, to compile once;
 - :mod:`hop.testing.programs`: random control-flow programs as data that print
   as Python source;

@@ -41,7 +41,16 @@ TRANSFORMS = (
     "export",
 )
 # The compiler bridge, opt-in (each compiles: seconds per program, an AOTInductor build tens of seconds).
-COMPILED = ("compile_aot_eager", "compile_inductor", "compile_inductor_vmap", "export_strict", "aoti")
+COMPILED = (
+    "compile_aot_eager",
+    "compile_inductor",
+    "compile_inductor_static",
+    "compile_inductor_vmap",
+    "export_strict",
+    "export_vmap",
+    "aoti",
+    "onnx",
+)
 
 
 def reference() -> Any:
@@ -76,7 +85,7 @@ class Skip(Exception):
 
 
 # The transforms that run the program under torch.vmap: vmap's limitations are theirs.
-VMAPPED = ("vmap", "vmap_grad", "grad_vmap", "vmap_jvp", "compile_inductor_vmap")
+VMAPPED = ("vmap", "vmap_grad", "grad_vmap", "vmap_jvp", "compile_inductor_vmap", "export_vmap")
 
 # Documented limitations of hop (see the operator pages) and of torch: when the
 # program raises one of these under a transform, the transform does not apply.

@@ -16,8 +16,9 @@ from typing import Any
 from hop import _reference
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.testing._case import COMPILED, TRANSFORMS, CheckCase, CheckFailure, Fn, Skip, reference
-from hop.testing._compiled_checks import check_aoti, check_compile, check_compile_vmap, check_export_strict
+from hop.testing._compiled_checks import check_compile, check_compile_vmap, check_export_strict, check_export_vmap
 from hop.testing._composition_checks import check_grad_vmap, check_vmap_grad, check_vmap_jvp
+from hop.testing._deployment_checks import check_aoti, check_onnx
 from hop.testing._transform_checks import (
     check_autograd,
     check_eager,
@@ -79,13 +80,17 @@ def check(
             round trip match); and, opt-in (``COMPILED``), the compiler bridge,
             each on ``args`` and on perturbed copies that take other branches and
             trip counts, forward and (for float inputs) gradients:
-            ``compile_aot_eager`` / ``compile_inductor`` (``torch.compile(fullgraph=True)``),
+            ``compile_aot_eager`` / ``compile_inductor`` (``torch.compile(fullgraph=True,
+            dynamic=True)``), ``compile_inductor_static`` (``dynamic=False``),
             ``compile_inductor_vmap`` (the vmapped program compiled, forward and the
             gradient outside the vmap),
-            ``export_strict`` (``torch.export.export(strict=True)``), ``aoti``
-            (an AOTInductor package of the exported program, loaded and run; forward
-            only). A documented refusal (``hop.errors.CompileUnsupported``) skips the
-            transform; any other error, or a different value, is a failure.
+            ``export_strict`` (``torch.export.export(strict=True)``), ``export_vmap``
+            (the vmapped program exported, strict and not, saved and loaded), ``aoti``
+            (an AOTInductor package of the exported program, run in a fresh process
+            without hop; forward only), ``onnx`` (``torch.onnx.export(dynamo=True)``,
+            the file run in onnxruntime; forward only). A documented refusal
+            (``hop.errors.CompileUnsupported``) skips the transform; any other error,
+            or a different value, is a failure.
         reference: the oracle; by default ``fn`` under :func:`reference`.
         skip: transforms known not to apply, each with the reason to record.
         rtol, atol: tolerances for ``torch.testing.assert_close`` (its dtype
@@ -204,7 +209,10 @@ _CHECKS: dict[str, Callable[[CheckCase], None]] = {
     "export": check_export,
     "compile_aot_eager": lambda case: check_compile(case, "aot_eager"),
     "compile_inductor": lambda case: check_compile(case, "inductor"),
+    "compile_inductor_static": lambda case: check_compile(case, "inductor", dynamic=False),
     "compile_inductor_vmap": check_compile_vmap,
     "export_strict": check_export_strict,
+    "export_vmap": check_export_vmap,
     "aoti": check_aoti,
+    "onnx": check_onnx,
 }

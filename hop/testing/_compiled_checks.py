@@ -1,4 +1,5 @@
-"""The checks of ``COMPILED``: torch.compile (aot_eager, Inductor), strict export and AOTInductor.
+"""The checks of ``COMPILED`` that compile: torch.compile (aot_eager, Inductor with and without
+dynamic shapes, the vmapped program) and strict export.
 
 Each compiles or exports the program, then compares its forward (and, where the
 inputs have float leaves, its gradients) with the reference on the arguments and on
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hop._pytree import flatten, leaf_paths, unflatten
+from hop._pytree import leaf_paths
 from hop.testing._case import (
     CheckCase,
     Fn,
@@ -28,6 +29,7 @@ from hop.testing._case import (
     running,
 )
 from hop.testing._composition_checks import compile_vmap
+from hop.testing._deployment_checks import check_export_vmap as export_vmap
 
 
 def _check_forward_and_grads(case: CheckCase, transform: str, program: Fn, grads: bool = True) -> None:
@@ -68,11 +70,12 @@ def _traceable_program(case: CheckCase) -> Fn:
     return on
 
 
-def check_compile(case: CheckCase, backend: str) -> None:
+def check_compile(case: CheckCase, backend: str, dynamic: bool = True) -> None:
     on = _traceable_program(case)
     torch._dynamo.reset()  # a fresh cache: each program compiles anew, guards and all
-    compiled = torch.compile(on, backend=backend, fullgraph=True, dynamic=True)
-    _check_forward_and_grads(case, f"compile_{backend}", compiled)
+    compiled = torch.compile(on, backend=backend, fullgraph=True, dynamic=dynamic)
+    name = f"compile_{backend}" if dynamic else f"compile_{backend}_static"
+    _check_forward_and_grads(case, name, compiled)
 
 
 def check_export_strict(case: CheckCase) -> None:
@@ -83,27 +86,9 @@ def check_export_strict(case: CheckCase) -> None:
     _check_forward_and_grads(case, "export_strict", module, grads=False)
 
 
-def check_aoti(case: CheckCase) -> None:
-    import tempfile
-
-    on, pick = flat_program(case)
-    with running("aoti"), tempfile.TemporaryDirectory() as tmp:
-        ep = torch.export.export(ProgramModule(on, case.fn), tuple(pick(case.args)))
-        path = torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp}/program.pt2")
-        package = torch._inductor.aoti_load_package(path)
-    _check_forward_and_grads(case, "aoti", lambda *xs: _as_reference(package(*xs), case.want), grads=False)
-
-
-def _as_reference(out: Any, reference: Any) -> Any:
-    """An AOTInductor package returns ints as 0-dim tensors: read them back where the reference has ints."""
-    o_leaves, _ = flatten(out)
-    l_leaves, spec = flatten(reference)
-    if len(o_leaves) != len(l_leaves):
-        return out
-    pairs = zip(o_leaves, l_leaves, strict=True)
-    fixed = [int(o) if isinstance(w, int) and isinstance(o, torch.Tensor) else o for o, w in pairs]
-    return unflatten(fixed, spec)
-
-
 def check_compile_vmap(case: CheckCase) -> None:
     compile_vmap(case, _traceable_program(case))
+
+
+def check_export_vmap(case: CheckCase) -> None:
+    export_vmap(case, _traceable_program(case))

@@ -1,5 +1,5 @@
 """The checks of transform compositions: ``vmap_grad``, ``grad_vmap``, ``vmap_jvp``, and
-(opt-in, compiled) ``compile_inductor_vmap``.
+(opt-in, compiled) ``compile_inductor_vmap``; the batched reference ``export_vmap`` reads.
 
 Each batches ``batch_size`` perturbed copies of the arguments, as ``vmap`` does, and
 compares with the reference run row by row: ``vmap_grad`` the per-row gradient taken
@@ -154,9 +154,7 @@ def compile_vmap(case: CheckCase, traceable: Fn) -> None:
     ``fn`` of the tensor leaves in a form Dynamo traces."""
     batch = _Batch(case)
     want_grads, cotangents = _reference_grads(case, "compile_inductor_vmap", batch)
-    with running("compile_inductor_vmap", reference=True):
-        rows = [_float_outputs(case.ref, case, leaves) for leaves in batch.row_leaves]
-    want = _stacked(rows)
+    _, want = batched_reference(case, "compile_inductor_vmap", batch)
     import torch.utils._pytree as py_pytree  # Dynamo traces torch's Python pytree, not hop's
 
     def floats(*xs: Any) -> tuple[torch.Tensor, ...]:  # what vmap can return
@@ -177,6 +175,18 @@ def compile_vmap(case: CheckCase, traceable: Fn) -> None:
     with running("compile_inductor_vmap"):
         got = torch.autograd.grad(total, [inputs[k] for k in batch.floats], allow_unused=True, materialize_grads=True)
     compare_tensors(case, "compile_inductor_vmap", list(got), want_grads, batch.paths)
+
+
+def batched_reference(
+    case: CheckCase, name: str, batch: _Batch | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The batch's stacked tensor inputs, and the reference's float outputs row by row, stacked."""
+    batch = _Batch(case) if batch is None else batch
+    with running(name, reference=True):
+        rows = [_float_outputs(case.ref, case, leaves) for leaves in batch.row_leaves]
+    if not rows[0]:
+        raise Skip("no floating-point outputs")
+    return batch.stacked, _stacked(rows)
 
 
 def _stacked(rows: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:

@@ -2,7 +2,9 @@
 
 The differential check of the compiler bridge: ``hop.testing.check`` with the
 ``COMPILED`` transforms (``torch.compile(fullgraph=True)`` with aot_eager and
-Inductor, forward and gradients; strict export; an AOTInductor package) on
+Inductor, dynamic and static, forward and gradients; the vmapped program compiled
+and exported; strict export; an AOTInductor package in a fresh process; ONNX in
+onnxruntime) on
 programs drawn by ``hop.testing.strategies``, each checked on its inputs and on
 perturbed copies that take other branches and trip counts. Compiling is slow, so
 the programs of one example are bundled into one (``hop.testing.bundle``): one
@@ -48,10 +50,16 @@ def run(cases: Sequence[st.Case], transforms: Sequence[str]) -> None:
 @compiled_examples(0.04)
 @given(bundles(6))
 def test_compiled_programs_equal_eager(cases: list[st.Case]) -> None:
-    run(cases, ("compile_aot_eager", "compile_inductor", "compile_inductor_vmap", "export_strict"))
+    run(cases, ("compile_aot_eager", "compile_inductor", "compile_inductor_vmap", "export_strict", "export_vmap"))
 
 
 @compiled_examples(0.04)
 @given(bundles(6))
-def test_aoti_packages_of_programs_equal_eager(cases: list[st.Case]) -> None:
-    run(cases, ("aoti",))
+def test_static_shapes_programs_equal_eager(cases: list[st.Case]) -> None:
+    run(cases, ("compile_inductor_static",))
+
+
+@compiled_examples(0.04)
+@given(bundles(6))
+def test_deployed_programs_equal_eager(cases: list[st.Case]) -> None:
+    run(cases, ("aoti", "onnx"))

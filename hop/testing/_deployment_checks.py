@@ -1,0 +1,118 @@
+"""The checks of ``COMPILED`` that deploy the program: ``export_vmap``, ``aoti`` and ``onnx``.
+
+``export_vmap`` exports the batched program (strict and non-strict, saved and
+loaded) and compares it with the reference row by row. ``aoti`` builds an
+AOTInductor package and runs it in a fresh interpreter in which hop cannot be
+imported, as a server would. ``onnx`` exports with ``torch.onnx.export(dynamo=True)``
+and runs the file in onnxruntime (skipped when onnxruntime or onnxscript is not
+installed). Each compares with the reference on the arguments and on a perturbed copy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hop._pytree import flatten, unflatten
+from hop.testing._case import (
+    CheckCase,
+    ProgramModule,
+    Skip,
+    compare,
+    compare_tensors,
+    flat_program,
+    inputs_and_wants,
+    roundtrip,
+    running,
+)
+from hop.testing._composition_checks import batched_reference
+
+
+def check_export_vmap(case: CheckCase, traceable: Any) -> None:
+    """``torch.export`` of ``torch.vmap(fn)`` (non-strict and strict), each saved and loaded."""
+    import torch.utils._pytree as py_pytree  # Dynamo traces torch's Python pytree, not hop's
+
+    stacked, want = batched_reference(case, "export_vmap")
+
+    def floats(*xs: Any) -> tuple[torch.Tensor, ...]:
+        leaves = py_pytree.tree_leaves(traceable(*xs))
+        return tuple(o for o in leaves if isinstance(o, torch.Tensor) and o.is_floating_point())
+
+    paths = [f"output {k}" for k in range(len(want))]
+    for strict in (False, True):
+        with running("export_vmap"):
+            ep = torch.export.export(ProgramModule(torch.vmap(floats), case.fn), tuple(stacked), strict=strict)
+            got = list(roundtrip(ep).module()(*stacked))
+        compare_tensors(case, "export_vmap", got, want, paths)
+
+
+# Runs in a fresh interpreter in which hop cannot be imported: what a deployed package has.
+_LOAD = """
+import sys
+sys.modules["hop"] = None
+import torch
+package, inputs, outputs = sys.argv[1:]
+program = torch._inductor.aoti_load_package(package)
+torch.save([program(*xs) for xs in torch.load(inputs)], outputs)
+"""
+
+
+def check_aoti(case: CheckCase) -> None:
+    on, pick = flat_program(case)
+    pairs = list(inputs_and_wants(case))
+    with running("aoti"), tempfile.TemporaryDirectory() as tmp:
+        ep = torch.export.export(ProgramModule(on, case.fn), tuple(pick(case.args)))
+        package = torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp}/program.pt2")
+        torch.save([pick(args) for args, _ in pairs], f"{tmp}/inputs.pt")
+        run = subprocess.run(
+            [sys.executable, "-c", _LOAD, package, f"{tmp}/inputs.pt", f"{tmp}/outputs.pt"],
+            capture_output=True,
+            text=True,
+            cwd=tmp,
+        )
+        if run.returncode != 0:
+            raise RuntimeError(f"the package failed in a fresh process:\n{run.stderr[-3000:]}")
+        outputs = torch.load(Path(tmp) / "outputs.pt")
+    for got, (_, want) in zip(outputs, pairs, strict=True):
+        compare(case, "aoti", as_reference(got, want), want)
+
+
+def as_reference(out: Any, reference: Any) -> Any:
+    """A deployed program returns ints as 0-dim tensors: read them back where the reference has ints."""
+    o_leaves, _ = flatten(out)
+    l_leaves, spec = flatten(reference)
+    if len(o_leaves) != len(l_leaves):
+        return out
+    pairs = zip(o_leaves, l_leaves, strict=True)
+    fixed = [int(o) if isinstance(w, int) and isinstance(o, torch.Tensor) else o for o, w in pairs]
+    return unflatten(fixed, spec)
+
+
+def check_onnx(case: CheckCase) -> None:
+    try:  # optional: imported by name, so that hop's type check needs neither
+        ort = importlib.import_module("onnxruntime")
+        importlib.import_module("onnxscript")  # torch.onnx.export(dynamo=True) needs it
+    except ImportError:
+        raise Skip("onnxruntime and onnxscript are not installed") from None
+    on, pick = flat_program(case)
+    if any(not isinstance(o, torch.Tensor) for o in flatten(case.want)[0]):
+        raise Skip("an ONNX graph returns tensors only; the program returns a Python number")
+    with running("onnx"), warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the exporter's own notes
+        program = torch.onnx.export(ProgramModule(on, case.fn), tuple(pick(case.args)), dynamo=True, verbose=False)
+        assert program is not None
+        session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    for args, want in inputs_and_wants(case):
+        feeds = [x.detach().contiguous().numpy() for x in pick(args)]
+        with running("onnx"):
+            got = session.run(None, dict(zip(names, feeds, strict=True)))
+        _, spec = flatten(want)
+        compare(case, "onnx", unflatten([torch.from_numpy(g) for g in got], spec), want)
