@@ -192,6 +192,12 @@ PRIVATE: tuple[Private, ...] = (
         "torch.ops.higher_order.cond",
         "torch.ops.higher_order.while_loop",
     ),
+    *_listed(
+        "hop.compile._aoti_refusals (wraps the AOTInductor entry points)",
+        "torch._inductor.aoti_compile_and_package",
+        "torch._inductor.aot_compile",
+        "torch._inductor.exc.InductorError",
+    ),
     # The module itself: translations read its current_tracer, the recorder of the node
     # being translated (None between exports; the export tests are its check).
     *_listed(

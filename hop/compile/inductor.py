@@ -71,6 +71,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from hop.compile import _aoti_refusals  # noqa: F401  (AOTInductor raises hop's refusals as themselves)
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._hooks import on_import
 from hop.errors import HopRuntimeError, format_message

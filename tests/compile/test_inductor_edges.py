@@ -166,18 +166,34 @@ def test_resized_carries_break_the_graph_without_fullgraph() -> None:
     torch._dynamo.reset()
 
 
-def test_resized_carries_are_refused_by_aoti() -> None:
+@pytest.mark.parametrize("entry", ["aoti_compile_and_package", "aot_compile"])
+def test_resized_carries_are_refused_by_aoti(entry: str) -> None:
     """An exported program reaches Inductor without Dynamo's check: hop's post-grad pass
-    refuses the loop (the build stops before any code is generated)."""
+    refuses the loop (the build stops before any code is generated), and the AOTInductor
+    entry point raises that CompileUnsupported itself, not Inductor's wrapper of it."""
 
     class Grow(torch.nn.Module):
         def forward(self, s: torch.Tensor) -> torch.Tensor:
             return _grow(s)
 
     ep = torch.export.export(Grow(), (torch.zeros(2),))
-    with pytest.raises(Exception, match=re.escape(_CARRIES[0][2])) as info:
-        torch._inductor.aoti_compile_and_package(ep)
-    assert any(isinstance(e, CompileUnsupported) for e in _causes(info.value))
+    with pytest.raises(CompileUnsupported, match=re.escape(_CARRIES[0][2])) as info:
+        if entry == "aot_compile":
+            torch._inductor.aot_compile(ep.module(), (torch.zeros(2),))
+        else:
+            torch._inductor.aoti_compile_and_package(ep)
+    assert 'backend="aot_eager"' in str(info.value)
+    assert isinstance(info.value.__cause__, torch._inductor.exc.InductorError)
+
+
+def test_aoti_leaves_other_errors_as_they_were() -> None:
+    entry = torch._inductor.aoti_compile_and_package
+    errors = []
+    for call in (entry, entry.__wrapped__):  # hop's wrapper, and torch's own function
+        with pytest.raises(Exception) as info:
+            call("not a program")
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]
 
 
 def _causes(e: BaseException | None) -> Iterator[BaseException]:
