@@ -246,8 +246,11 @@ def _scan(
         raise CompileUnsupported(format_message(op, "ONNX export of a scan over no xs"), op=op)
     length = _length(nodes, xs[0])
     k = len(init)
+    for x in xs[1:]:  # equal when traced, unless a trace left it to run time (ONNX has no assert)
+        if not _same_static_length(x, xs[0]):
+            length = _fail_if(nodes, length, nodes.op("Not", [nodes.op("Equal", [length, _length(nodes, x)])[0]])[0])
     if not all(_static(y.shape) for y in ys):
-        length = _fail_if_zero(nodes, length)
+        length = _fail_if(nodes, length, nodes.op("Equal", [length, nodes.const(0)])[0])
     body = _Nodes()
     step, going = _scalar("step", ir.DataType.INT64), _scalar("going", ir.DataType.BOOL)  # a Loop body's first inputs
     states = _fresh(carries, "carry")
@@ -272,10 +275,14 @@ def _static(shape: ir.Shape | None) -> bool:
     return shape is not None and all(isinstance(d, int) for d in shape)
 
 
-def _fail_if_zero(nodes: _Nodes, length: ir.Value) -> ir.Value:
-    """``length``, read through a Gather that is out of range when it is 0."""
-    is_zero = nodes.op("Cast", [nodes.op("Equal", [length, nodes.const(0)])[0]], to=ir.DataType.INT64)[0]
-    return nodes.op("Add", [length, nodes.op("Gather", [nodes.const([0]), is_zero])[0]])[0]
+def _same_static_length(x: ir.Value, y: ir.Value) -> bool:
+    return x.shape is not None and y.shape is not None and isinstance(x.shape[0], int) and x.shape[0] == y.shape[0]
+
+
+def _fail_if(nodes: _Nodes, length: ir.Value, wrong: ir.Value) -> ir.Value:
+    """``length``, read through a Gather that is out of range when ``wrong`` (a bool) holds."""
+    index = nodes.op("Cast", [wrong], to=ir.DataType.INT64)[0]
+    return nodes.op("Add", [length, nodes.op("Gather", [nodes.const([0]), index])[0]])[0]
 
 
 def translate_scan(
