@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from hop import _observe
-from hop._tracing import keeping_node_meta, per_element, trace_subgraph
+from hop._tracing import keeping_node_meta, object_val, per_element, trace_subgraph
 
 __all__ = ["distinct_inputs", "trace_branches"]
 
@@ -152,6 +152,9 @@ def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nod
         if node.op != "get_attr":
             continue
         value = _attr(gm, str(node.target))
+        if isinstance(value, torch.Generator):
+            _lift_object(gm, node, value, lifted, nodes)
+            continue
         if not isinstance(value, torch.Tensor):
             continue
         example = value
@@ -178,6 +181,25 @@ def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nod
         lifted.append(example)
         nodes.append(placeholder)
     gm.recompile()
+
+
+def _lift_object(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, value: Any, lifted: list[Any], nodes: list[torch.fx.Node]
+) -> None:
+    """A ``torch.Generator`` a branch reads (``torch.multinomial(p, 1, generator=g)``) becomes
+    an operand: torch.export's verifier admits no generator attribute in a subgraph, and
+    lifts one the top-level graph reads into an input, as for a plain call."""
+    anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(anchor):
+        placeholder = gm.graph.placeholder(f"lifted_object_{len(lifted)}")
+    placeholder.meta = dict(node.meta)
+    placeholder.meta["val"] = object_val(placeholder.name, value)
+    node.replace_all_uses_with(placeholder)
+    gm.graph.erase_node(node)
+    if not any(n.op == "get_attr" and n.target == node.target for n in gm.graph.nodes):
+        _delete_attr(gm, str(node.target))
+    lifted.append(value)
+    nodes.append(placeholder)
 
 
 def _attr(root: torch.nn.Module, target: str) -> Any:
@@ -214,11 +236,15 @@ def _align_placeholders(
             new = graph.placeholder(f"lifted_arg_{i}")
         # one branch may have lifted the same value twice (two SymInts of one expression)
         olds = [n for v, n in zip(lifted, nodes, strict=True) if _same_value(v, value)]
-        new.meta = dict(olds[0].meta) if olds else {"val": value}
+        new.meta = dict(olds[0].meta) if olds else {"val": _placeholder_val(new.name, value)}
         for old in olds:
             old.replace_all_uses_with(new)
             graph.erase_node(old)
     gm.recompile()
+
+
+def _placeholder_val(name: str, value: Any) -> Any:
+    return object_val(name, value) if isinstance(value, torch.Generator) else value
 
 
 # Note [one placeholder per value]

@@ -35,7 +35,11 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
     fn = keeping_node_meta(fn)
     tracer = proxy_tensor._CURRENT_MAKE_FX_TRACER
     if tracer is not None:
-        return tracer.trace_subgraph(fn, *[per_element(a) for a in args])
+        gm: torch.fx.GraphModule = tracer.trace_subgraph(fn, *[per_element(a) for a in args])
+        for node in gm.graph.find_nodes(op="placeholder"):
+            if isinstance(node.meta.get("val"), torch.Generator):
+                node.meta["val"] = object_val(node.name, node.meta["val"])
+        return gm
     from torch._guards import detect_fake_mode
 
     fake_mode = detect_fake_mode(list(args))
@@ -43,6 +47,15 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
         return proxy_tensor.make_fx(fn, tracing_mode="fake")(*args)
     with fake_mode:
         return proxy_tensor.make_fx(fn, tracing_mode="real")(*args)
+
+
+def object_val(name: str, value: Any) -> Any:
+    """A subgraph placeholder's ``val`` for a ``torch.Generator`` operand: what torch.export
+    gives a generator input of a program (its verifier and serializer read it)."""
+    from torch.export.graph_signature import CustomObjArgument
+
+    kind = type(value)
+    return CustomObjArgument(name, f"{kind.__module__}.{kind.__qualname__}")
 
 
 # Note [pre-dispatch subgraphs see per-element values]
