@@ -153,7 +153,9 @@ def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nod
             continue
         value = _attr(gm, str(node.target))
         if isinstance(value, torch.Generator):
-            _lift_object(gm, node, value, lifted, nodes)
+            # torch.export's verifier admits no generator attribute in a subgraph, and
+            # lifts one the top-level graph reads into an input, as for a plain call
+            _to_placeholder(gm, node, "lifted_object", value, lifted, nodes)
             continue
         if not isinstance(value, torch.Tensor):
             continue
@@ -169,31 +171,25 @@ def _lift_constants(gm: torch.fx.GraphModule, outer: Any, lifted: list[Any], nod
             name = parent.get_fresh_qualname("_tensor_constant")
             setattr(parent.root, name, value)
             track_tensor_tree(example, parent.create_proxy("get_attr", name, (), {}), constant=value, tracer=parent)
-        anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
-        with gm.graph.inserting_before(anchor):
-            placeholder = gm.graph.placeholder(f"lifted_const_{len(lifted)}")
-        placeholder.meta = dict(node.meta)
-        placeholder.meta["val"] = example
-        node.replace_all_uses_with(placeholder)
-        gm.graph.erase_node(node)
-        if not any(n.op == "get_attr" and n.target == node.target for n in gm.graph.nodes):
-            _delete_attr(gm, str(node.target))
-        lifted.append(example)
-        nodes.append(placeholder)
+        _to_placeholder(gm, node, "lifted_const", example, lifted, nodes)
     gm.recompile()
 
 
-def _lift_object(
-    gm: torch.fx.GraphModule, node: torch.fx.Node, value: Any, lifted: list[Any], nodes: list[torch.fx.Node]
+def _to_placeholder(
+    gm: torch.fx.GraphModule,
+    node: torch.fx.Node,
+    prefix: str,
+    value: Any,
+    lifted: list[Any],
+    nodes: list[torch.fx.Node],
 ) -> None:
-    """A ``torch.Generator`` a branch reads (``torch.multinomial(p, 1, generator=g)``) becomes
-    an operand: torch.export's verifier admits no generator attribute in a subgraph, and
-    lifts one the top-level graph reads into an input, as for a plain call."""
+    """The get_attr ``node`` replaced by a new placeholder for the lifted ``value``; the
+    attribute goes once nothing else reads it."""
     anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
     with gm.graph.inserting_before(anchor):
-        placeholder = gm.graph.placeholder(f"lifted_object_{len(lifted)}")
+        placeholder = gm.graph.placeholder(f"{prefix}_{len(lifted)}")
     placeholder.meta = dict(node.meta)
-    placeholder.meta["val"] = object_val(placeholder.name, value)
+    placeholder.meta["val"] = _placeholder_val(placeholder.name, value)
     node.replace_all_uses_with(placeholder)
     gm.graph.erase_node(node)
     if not any(n.op == "get_attr" and n.target == node.target for n in gm.graph.nodes):
