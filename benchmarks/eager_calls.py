@@ -28,6 +28,25 @@ def per_call_us(fn: Callable[[], Any], number: int, repeat: int = 15) -> float:
     return best * 1e6
 
 
+def solve_with_a_helper(y: torch.Tensor, k: float) -> torch.Tensor:
+    """An adaptive step whose branches read a helper defined here: new objects per call."""
+
+    def rhs(v: torch.Tensor) -> torch.Tensor:
+        return -k * v
+
+    def step(t: torch.Tensor, h: torch.Tensor, v: torch.Tensor) -> Any:
+        trial = v + h * rhs(v)
+        err = (trial - (v + 0.5 * h * (rhs(v) + rhs(trial)))).abs().max()
+        return hop.cond(err < 1e-3, lambda: (t + h, h * 1.2, trial), lambda: (t, h * 0.5, v), ())
+
+    return hop.while_loop(lambda t, h, v: t < 1.0, step, (torch.tensor(0.0), torch.tensor(0.1), y))[2]
+
+
+def python_solve(y: torch.Tensor, k: float) -> torch.Tensor:
+    with hop.testing.reference():
+        return solve_with_a_helper(y, k)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     x, xs, k = torch.randn(4), torch.randn(10, 4), torch.tensor(1)
@@ -43,6 +62,8 @@ def main() -> None:
         "scan 10": (lambda: hop.scan(lambda c, a: (c + a, c * a), x, xs), 300),
         "map 10": (lambda: hop.map(lambda a: a.sin(), xs), 300),
         "associative_scan 10": (lambda: hop.associative_scan(lambda a, b: a + b, xs, 0), 300),
+        "solver with a helper": (lambda: solve_with_a_helper(x, 2.0), 10),
+        "python solver": (lambda: python_solve(x, 2.0), 10),
     }
     print(json.dumps({name: per_call_us(fn, number) for name, (fn, number) in calls.items()}))
 

@@ -16,6 +16,7 @@ re-exports, is ``hop._fake_run``.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any
@@ -75,18 +76,84 @@ INLINE: dict[str, dict[Any, Any]] = {}  # name -> key -> hop.ops._inline.Entry
 ALIASING: set[Any] = set()
 
 
-def value_key(v: Any) -> Any:
+def value_key(v: Any, depth: int = 0) -> Any:
     """What a verdict depends on of a closed-over value or a leaf. A number counts by
     its type only: a loop counter a branch closes over changes on every call, and
     what a new value could change of the output is caught by the per-call output
-    check (Note [outputs are checked on every call]), not by validating again."""
+    check (Note [outputs are checked on every call]), not by validating again. A
+    function counts by its code and what it closes over, a tuple by its items (Note
+    [closures by kind, not identity]); anything else by identity (:class:`_Same`)."""
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.ndim, v.get_device())
-    if type(v) in (int, float, bool):
-        return type(v)
-    if v is None or type(v) is str:
-        return (type(v), v)
-    return id(v)
+    kind = type(v)
+    if kind in (int, float, bool):
+        return kind
+    if v is None or kind is str:
+        return (kind, v)
+    if depth < _DEPTH:
+        if kind is FunctionType:
+            return function_key(v, depth + 1)
+        if kind is MethodType:
+            return (value_key(v.__func__, depth + 1), _Same(v.__self__))
+        if kind is tuple and len(v) <= _ITEMS:
+            return (tuple, *(value_key(x, depth + 1) for x in v))
+    return _Same(v)
+
+
+# Note [closures by kind, not identity]
+# A helper defined inside the function that calls hop (a solver's right-hand side,
+# read by its accept and reject branches) is a new function object on every call.
+# Keyed by identity, every call would validate again on fake tensors (a 12-step
+# solve took 4x its Python loop), and when CPython reused a freed helper's address
+# the check was skipped by chance. A function is keyed as the operators' callables
+# are (its code and what its cells hold, by kind) to a bounded depth;
+# other objects by identity, with a weak reference (or, for objects that take none,
+# the object itself) so that a key never matches a new object at a freed address.
+_DEPTH = 4
+_ITEMS = 16
+
+
+def function_key(fn: FunctionType, depth: int = 0) -> Any:
+    """A plain function's key: its code and its cells' contents, by kind (as the inline
+    paths key a closure-free function: by its code alone)."""
+    cells = fn.__closure__
+    if cells is None:
+        return fn.__code__
+    return (fn.__code__, *[_cell_key(c, depth) for c in cells])
+
+
+def _cell_key(cell: Any, depth: int) -> Any:
+    try:
+        contents = cell.cell_contents
+    except ValueError:  # a name assigned later in the enclosing function
+        return "empty cell"
+    return value_key(contents, depth)
+
+
+class _Same:
+    """An object in a key, by identity: equal only to a key of the same live object."""
+
+    __slots__ = ("_id", "_ref")
+
+    def __init__(self, obj: Any) -> None:
+        self._id = id(obj)
+        try:
+            self._ref: Callable[[], Any] = weakref.ref(obj)
+        except TypeError:  # no weak reference (a list, a builtin): the key keeps it alive
+            self._ref = functools.partial(_itself, obj)
+
+    def __hash__(self) -> int:
+        return self._id
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Same) or other._id != self._id:
+            return False
+        obj = self._ref()
+        return obj is not None and obj is other._ref()
+
+
+def _itself(obj: Any) -> Any:
+    return obj
 
 
 def flat_signature(name: str, fns: Sequence[Fn], operands: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -108,11 +175,7 @@ def flat_signature(name: str, fns: Sequence[Fn], operands: tuple[Any, ...]) -> t
             return (name, t.__code__, f.__code__, x.dtype, x.ndim, x.get_device())
     key: list[Any] = [name]
     for fn in fns:
-        if type(fn) is FunctionType:
-            cells = fn.__closure__
-            key.append(fn.__code__ if cells is None else (fn.__code__, *[value_key(c.cell_contents) for c in cells]))
-        else:
-            key.append(callable_key(fn))
+        key.append(function_key(fn) if type(fn) is FunctionType else callable_key(fn))
     for x in operands:
         if type(x) is not _Tensor:
             return None
@@ -125,9 +188,9 @@ def callable_key(fn: Any) -> Any:
     partials by function and arguments, builtin methods by name and owner's kind,
     anything else (builtins such as torch.tanh, modules) by identity."""
     if type(fn) is MethodType:
-        return (callable_key(fn.__func__), id(fn.__self__))
+        return (callable_key(fn.__func__), _Same(fn.__self__))
     if type(fn) is FunctionType:
-        return flat_signature("", (fn,), ())
+        return function_key(fn)
     if isinstance(fn, functools.partial):
         kwargs = tuple(sorted((k, value_key(v)) for k, v in fn.keywords.items()))
         return (callable_key(fn.func), *map(value_key, fn.args), kwargs)
@@ -135,7 +198,9 @@ def callable_key(fn: Any) -> Any:
         # w.mul: a method object made per access, whose address a later one reuses
         # after it is freed (an id would find another method's verdict)
         return ("builtin method", fn.__name__, type(fn.__self__), value_key(fn.__self__))
-    return id(fn)
+    if type(fn) is BuiltinFunctionType:
+        return id(fn)  # inert: torch.tanh lives as long as torch (the inline paths key it so)
+    return _Same(fn)
 
 
 def signature(name: str, fns: Sequence[Fn], operands: Any, leaves: Sequence[Any], spec: Any) -> Any:

@@ -213,6 +213,82 @@ def test_a_closed_over_loop_counter_is_validated_once() -> None:
     assert fake_runs == [0]
 
 
+def _solve(y: torch.Tensor, k: float, fake_runs: list[str], helpers: list[Any]) -> torch.Tensor:
+    """An adaptive step whose branches read a helper defined here, new on every call."""
+
+    def rhs(v: torch.Tensor) -> torch.Tensor:
+        if isinstance(v, torch._subclasses.FakeTensor):
+            fake_runs.append("rhs")
+        return -k * v
+
+    helpers.append(rhs)  # kept alive by the caller: no later helper can take its address
+
+    def step(t: torch.Tensor, h: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        trial = v + h * rhs(v)
+        err = (trial - (v + 0.5 * h * (rhs(v) + rhs(trial)))).abs().max()
+        return hop.cond(err < 1e-3, lambda: (t + h, h * 1.2, trial), lambda: (t, h * 0.5, v), ())
+
+    return hop.while_loop(lambda t, h, v: t < 1.0, step, (torch.tensor(0.0), torch.tensor(0.1), y))[2]
+
+
+def test_helpers_defined_in_the_calling_function_are_validated_once() -> None:
+    # Note [closures by kind, not identity]: the helper is a new object each call
+    fake_runs: list[str] = []
+    y = torch.ones(3)
+    helpers: list[Any] = []
+    for n in range(6):
+        want = _solve_python(y, 1.0 + n)
+        torch.testing.assert_close(_solve(y, 1.0 + n, fake_runs, helpers), want, rtol=1e-5, atol=1e-6)
+        if n == 0:
+            first = len(fake_runs)
+    assert first > 0 and len(fake_runs) == first
+
+
+def _solve_python(y: torch.Tensor, k: float) -> torch.Tensor:
+    with hop.testing.reference():
+        return _solve(y, k, [], [])
+
+
+def test_a_helper_of_another_kind_is_validated_again() -> None:
+    def branches(helper: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        return (lambda v: helper(v)), (lambda v: v)
+
+    for _ in range(3):
+        hop.cond(torch.tensor(True), *branches(lambda v: v * 2), (X,))
+
+    def other(v: torch.Tensor) -> torch.Tensor:  # other code: a verdict of its own, checked again
+        return v.double()
+
+    with pytest.raises(OutputMismatchError, match="dtype float64 vs float32"):
+        hop.cond(torch.tensor(True), *branches(other), (X,))
+
+
+def test_a_verdict_by_identity_never_matches_a_new_object_at_a_freed_address() -> None:
+    class Scale:
+        def __init__(self, dtype: torch.dtype) -> None:
+            self.dtype = dtype
+
+    def branches(scale: Scale) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        return (lambda v: v.to(scale.dtype)), (lambda v: v)
+
+    freed = set()
+    for _ in range(5):
+        scale = Scale(torch.float32)
+        freed.add(id(scale))
+        hop.cond(torch.tensor(False), *branches(scale), (X,))
+        del scale
+    held = []  # kept alive, so that each new object takes another address
+    scale = Scale(torch.float64)
+    while id(scale) not in freed and len(held) < 10_000:
+        held.append(scale)
+        scale = Scale(torch.float64)
+    if id(scale) not in freed:
+        pytest.skip("CPython gave no freed address to a new object")
+    # an object at a freed one's address is another object: validated, so its mistake is seen
+    with pytest.raises(OutputMismatchError, match="dtype float64 vs float32"):
+        hop.cond(torch.tensor(False), *branches(scale), (X,))
+
+
 def test_a_closed_over_number_that_changes_the_dtype_is_caught() -> None:
     def branches(scale: float | int) -> tuple[Callable[..., Any], Callable[..., Any]]:
         def t(v: torch.Tensor) -> torch.Tensor:
