@@ -265,11 +265,14 @@ def select(mask: Any, a: Any, b: Any) -> Any:
 
 def overlapping(x: Any) -> bool:
     """A tensor two of whose indices address one element (a stride 0 on a dimension
-    longer than one; an unknown size counts as longer)."""
+    longer than one; an unknown size counts as longer). One with no element does not
+    (and ``contiguous()`` leaves it as it is)."""
     if not isinstance(x, _Tensor) or x.layout is not torch.strided:
         return False
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+    if any(guard_or_false(size == 0) for size in x.shape):
+        return False
     return any(
         guard_or_false(stride == 0) and not guard_or_false(size <= 1)
         for size, stride in zip(x.shape, x.stride(), strict=True)

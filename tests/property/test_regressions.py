@@ -169,3 +169,21 @@ def test_vmap_jvp_compares_tangents_in_the_primal_dtype() -> None:
 
     report = check(program, torch.tensor(0.0), transforms=["eager", "vmap_jvp"])
     assert report.ran == ["eager", "vmap_jvp"]
+
+
+def test_a_traced_loop_over_an_empty_carry_with_a_stride_zero() -> None:
+    """Found by the long profile (layouts): a carry with no element and a stride 0
+    (an empty tensor expanded, or channels-last) counted as overlapping, and the trace
+    made it contiguous, which left it as it was, then traced again: RecursionError."""
+    from hop.testing.strategies import with_layout
+
+    def loops(x: torch.Tensor) -> Any:
+        counted = hop.fori_loop(0, 0, lambda i, a: a + 0.1 * i, x)
+        return counted, hop.while_loop(lambda i, a: i < 0, lambda i, a: (i + 1, a), (0, x))[1]
+
+    for x in (
+        with_layout(torch.zeros(0, 0, 2), "channels_last"),
+        with_layout(torch.zeros(2, 0), "expanded"),
+    ):
+        report = check(loops, x, transforms=["eager", "make_fx_fake", "make_fx_symbolic", "export"])
+        assert report.ran == ["eager", "make_fx_fake", "make_fx_symbolic", "export"], report
