@@ -12,6 +12,7 @@ Separate from tracing: it reads graphs and tensors' storage after the fact.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,6 +97,60 @@ def _storage(v: Any) -> int | None:
         except (NotImplementedError, RuntimeError):
             return None
     return None
+
+
+def name_in(fn: Any, value: Any) -> str | None:
+    """What the user calls the tensor ``value`` (or a traced stand-in for it: the same
+    storage, size and offset) in ``fn``, unwrapped as :func:`describe_fn` does:
+    a variable it closes over (``buf``), a parameter or buffer of a module it reaches
+    through ``self`` or a closed-over module (``self.cache``), an attribute of a
+    closed-over object; None when it is none of these (a carry passed in)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    seen: set[int] = set()
+    while True:
+        found = _name_in_one(fn, value)
+        if found is not None or not hasattr(fn, "__wrapped__") or id(fn) in seen:
+            return found
+        seen.add(id(fn))
+        fn = fn.__wrapped__
+
+
+def _name_in_one(fn: Any, value: torch.Tensor) -> str | None:
+    roots: list[tuple[str, Any]] = []
+    if isinstance(fn, types.MethodType):
+        roots.append(("self", fn.__self__))
+        fn = fn.__func__
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is not None and cells is not None:
+        for var, cell in zip(code.co_freevars, cells, strict=False):
+            try:
+                roots.append((var, cell.cell_contents))
+            except ValueError:  # not yet assigned
+                continue
+    if isinstance(fn, torch.nn.Module):
+        roots.append(("self", fn))
+    for var, obj in roots:
+        if _stands_for(obj, value):
+            return var
+        if isinstance(obj, torch.nn.Module):
+            for attr, t in (*obj.named_parameters(), *obj.named_buffers()):
+                if _stands_for(t, value):
+                    return f"{var}.{attr}"
+        elif not isinstance(obj, type) and hasattr(obj, "__dict__"):
+            field = next((a for a, v in vars(obj).items() if _stands_for(v, value)), None)
+            if field is not None:
+                return f"{var}.{field}"
+    return None
+
+
+def _stands_for(obj: Any, value: torch.Tensor) -> bool:
+    if obj is value:
+        return True
+    if not isinstance(obj, torch.Tensor) or obj.shape != value.shape:
+        return False
+    s = _storage(obj)
+    return s is not None and s == _storage(value) and obj.storage_offset() == value.storage_offset()
 
 
 def find_mutations_and_aliases(gm: torch.fx.GraphModule) -> Effects:

@@ -1,7 +1,8 @@
 """Errors that say what to do, for the mistakes a new user makes first (issue: real
 programs, item 9): a body of the wrong arity, a body returning fewer carries than it
 takes, a Python list of tensors as a scan's xs, a combine_fn that is not elementwise
-in associative_scan's pointwise mode, a float or multi-element switch index."""
+in associative_scan's pointwise mode, a float or multi-element switch index; a traced
+in-place write of a closed-over tensor names it (`self.cache`, `buf`) and the user's body."""
 
 from __future__ import annotations
 
@@ -90,3 +91,51 @@ def test_arity_is_read_from_defaults_varargs_and_methods() -> None:
     torch.testing.assert_close(hop.fori_loop(0, 2, lambda *a: a[1] + 1, X), X + 2)
     with pytest.raises(HopTypeError, match=r"accepts 3 to 4"):
         hop.fori_loop(0, 2, lambda i, v, w, z=1: v, X)
+
+
+# --- a traced write names what the user wrote ---------------------------------------------------
+
+
+class _Cache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 3))
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        def body(i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.cache.index_copy_(0, i.reshape(1), v[None])
+            return v + 1
+
+        return hop.fori_loop(torch.tensor(0), torch.tensor(4), body, y)
+
+
+def test_a_written_module_buffer_is_named_with_the_users_body() -> None:
+    from hop.errors import MutationError
+
+    with pytest.raises(MutationError) as info:
+        torch.export.export(_Cache(), (torch.randn(3),))
+    message = str(info.value)
+    assert "body_fn (_Cache.forward.<locals>.body (test_error_hints.py:" in message
+    assert "writes self.cache, a tensor it closes over, in place" in message
+    assert "Pass self.cache in as a carry and return its new value" in message
+    assert "_counted_body" not in message and "carry 4" not in message
+
+
+def test_a_written_closure_variable_is_named() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hop.errors import MutationError
+
+    def program(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        def bump(a: torch.Tensor) -> torch.Tensor:
+            buf.add_(1)
+            return a + buf
+
+        return hop.cond(x.sum() > 0, bump, lambda a: a - 1, (x,))
+
+    with pytest.raises(
+        MutationError,
+        match=r"true_fn \(.*bump.*\) writes buf, a tensor it closes over, in place.*"
+        r"Pass buf in as an operand",
+    ):
+        make_fx(program, tracing_mode="fake")(torch.randn(3), torch.zeros(3))

@@ -177,11 +177,22 @@ def check_effects(
     outputs that alias an input fresh tensors, as eager's outputs are."""
     effects = _effects.find_mutations_and_aliases(gm)
     if effects.mutated:
+        k = effects.mutated[0]
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        name = _effects.name_in(fn, placeholders[k].meta.get("val")) if k < len(placeholders) else None
+        if name is None:
+            what_is_written, why, fix = f"{what} {k}", f"in-place updates of {updates}", fix
+        else:
+            what_is_written, why = f"{name}, a tensor it closes over,", "in-place updates of what it closes over"
+            fix = (
+                f"Pass {name} in as {'an' if what[0] in 'aeiou' else 'a'} {what} and return its new value, "
+                "written out of place (index_copy, index_put, scatter instead of their in-place forms)."
+            )
         raise MutationError(
             format_message(
                 op,
-                f"{role} ({_output_checks.describe_fn(fn)}) writes {what} {effects.mutated[0]} in place; in-place "
-                f"updates of {updates} run in eager but cannot be traced (make_fx, torch.export)",
+                f"{role} ({_output_checks.describe_fn(fn)}) writes {what_is_written} in place; "
+                f"{why} run in eager but cannot be traced (make_fx, torch.export)",
                 fix=fix,
             ),
             op=op,

@@ -126,6 +126,7 @@ def _counted_body(body_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], An
             checked = True
         return i + 1, out
 
+    counted.__wrapped__ = body_fn  # type: ignore[attr-defined]  # errors name the user's body
     return counted
 
 
