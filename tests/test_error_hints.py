@@ -2,10 +2,12 @@
 programs, item 9): a body of the wrong arity, a body returning fewer carries than it
 takes, a Python list of tensors as a scan's xs, a combine_fn that is not elementwise
 in associative_scan's pointwise mode, a float or multi-element switch index; a traced
-in-place write of a closed-over tensor names it (`self.cache`, `buf`) and the user's body."""
+in-place write of a closed-over tensor names it (`self.cache`, `buf`) and the user's body;
+a write to an object outside a callable under torch.compile names the line."""
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -139,3 +141,45 @@ def test_a_written_closure_variable_is_named() -> None:
         r"Pass buf in as an operand",
     ):
         make_fx(program, tracing_mode="fake")(torch.randn(3), torch.zeros(3))
+
+
+# --- a callable that writes an object from outside it, under torch.compile ---------------------
+
+_STATE = {"calls": 0}
+
+
+def _counting(a: torch.Tensor) -> torch.Tensor:
+    _STATE["calls"] += 1
+    return a + 1
+
+
+def _marked(a: torch.Tensor) -> torch.Tensor:
+
+    token = _CURRENT.set("attention")
+    try:
+        return a * 2
+    finally:
+        _CURRENT.reset(token)
+
+
+_CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("current", default=None)
+
+
+@pytest.mark.parametrize(
+    ("branch", "line"),
+    [(_counting, '_STATE["calls"] += 1'), (_marked, 'token = _CURRENT.set("attention")')],
+    ids=["global dict", "context variable"],
+)
+def test_a_write_outside_the_callable_names_the_line_and_what_to_do(branch: Any, line: str) -> None:
+    from hop.errors import CompileUnsupported
+
+    torch._dynamo.reset()
+    with pytest.raises(CompileUnsupported) as info:
+        torch.compile(lambda x: hop.cond(x.sum() > 0, branch, lambda a: a - 1, (x,)), backend="eager", fullgraph=True)(
+            X
+        )
+    torch._dynamo.reset()
+    message = str(info.value)
+    assert message.startswith("hop.cond: true_fn, which Dynamo cannot trace into one graph (")
+    assert "test_error_hints.py:" in message and f"in {branch.__name__} (`{line}`)" in message
+    assert "Move that statement out of true_fn" in message

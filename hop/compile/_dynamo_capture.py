@@ -40,7 +40,7 @@ from torch._dynamo.variables.tensor import SymNodeVariable
 
 from hop import _effects, _observe
 from hop._transforms import DYNAMO_CALL
-from hop.compile._dynamo_errors import hop_errors_break_graph, unsupported
+from hop.compile._dynamo_errors import hop_errors_break_graph, unsupported, untraceable
 from hop.compile._dynamo_values import (
     BATCHED_EXAMPLE,
     VT,
@@ -197,13 +197,7 @@ def _speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT], flat_out
     except Unsupported as e:
         if isinstance(e, HopError):  # a nested operator's own error
             raise
-        reason = str(e.msg).split("\n", 1)[0]
-        raise unsupported(
-            name,
-            f"{role}, which Dynamo cannot trace into one graph ({reason}),",
-            fix=f"Keep {role} traceable (no Python branching on tensor values, no I/O), or call the operator "
-            "outside the compiled function.",
-        ) from e
+        raise untraceable(name, role, e) from e
     except RuntimeError as e:
         # Dynamo lifts a tensor that requires grad (a module parameter) into the subgraph
         # with requires_grad_(), which functorch forbids inside its transforms: strict

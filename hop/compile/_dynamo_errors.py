@@ -63,6 +63,48 @@ def unsupported(op: str, feature: str, fix: str) -> Exception:
     return as_graph_break(error)
 
 
+def untraceable(op: str, role: str, error: Unsupported) -> Exception:
+    """Dynamo could not trace ``role``: say what Dynamo said (its reason and explanation)
+    and where, the innermost line of the user's code it stopped at; for a write to an
+    object from outside the callable, what to do about it."""
+    lines = str(error.msg).split("\n")
+    reason = lines[0]
+    explanation = next((x.strip()[len("Explanation: ") :] for x in lines if x.strip().startswith("Explanation: ")), "")
+    if explanation:
+        reason = f"{reason}: {explanation.rstrip('.')}"
+    where = _user_line(getattr(error, "real_stack", None) or [])
+    at = f" at {where}" if where else ""
+    if "side effect" in lines[0].lower() or "method call" in lines[0].lower():
+        fix = (
+            f"Move that statement out of {role} (a global, a context variable or an object outside it, written "
+            "on every call: write it before or after the operator, or once around the compiled call), or call "
+            "the operator outside the compiled function."
+        )
+    else:
+        fix = (
+            f"Keep {role} traceable (no Python branching on tensor values, no I/O), or call the operator "
+            "outside the compiled function."
+        )
+    return unsupported(op, f"{role}, which Dynamo cannot trace into one graph ({reason}){at},", fix=fix)
+
+
+def _user_line(stack: Any) -> str | None:
+    """``file.py:12 in fn (`source`)`` for the innermost frame of ``stack`` outside hop."""
+    import os
+
+    import hop
+
+    root = os.path.dirname(os.path.abspath(hop.__file__))
+    for frame in reversed(list(stack)):
+        filename = getattr(frame, "filename", "")
+        if filename and os.path.abspath(filename).startswith(root + os.sep):
+            continue
+        text = f"{os.path.basename(filename)}:{frame.lineno} in {frame.name}"
+        source = (frame.line or "").strip()
+        return f"{text} (`{source}`)" if source else text
+    return None
+
+
 def _hop_cause(error: BaseException) -> HopError | None:
     """The HopError that ``error`` wraps (Dynamo wraps what fails in fake propagation)."""
     seen: BaseException | None = error
