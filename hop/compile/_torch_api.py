@@ -32,6 +32,7 @@ __all__ = [
     "Private",
     "at_least",
     "fake_propagation_errors",
+    "ordering_deps",
     "resolve",
 ]
 
@@ -180,6 +181,7 @@ PRIVATE: tuple[Private, ...] = (
         "torch._inductor.ir.Subgraph",
         "torch._inductor.ir.IRNode",
         "torch._inductor.ir.ExternKernel.require_exact_strides",
+        "torch._inductor.ir.DynamicScalar",
         "torch._guards.TracingContext.try_get",
         "torch._dispatch.python.enable_python_dispatcher",
         "torch._prims_common.make_contiguous_strides_for",
@@ -222,6 +224,12 @@ CHANGES: tuple[Change, ...] = (
         "fake_propagation_errors(): hop finds its own HopError inside either",
     ),
     Change(
+        (2, 15),
+        "Inductor's GraphLowering.additional_star_deps (op name -> names it must follow, a StarDep) is "
+        "renamed additional_buffer_deps (a fake WeakDep: ordering only).",
+        "ordering_deps(): hop.compile.inductor._reads_first orders a subgraph's .item() reads first",
+    ),
+    Change(
         (2, 14),
         "make_fx with fake or symbolic tracing traces w[i] on an unbacked int i (with _assert_scalar "
         "bounds checks); 2.13 raised a data-dependent guard error.",
@@ -242,6 +250,14 @@ def resolve(path: str) -> Any:
             obj = getattr(obj, name)
         return obj
     raise ImportError(path)
+
+
+def ordering_deps(graph: Any) -> Any:
+    """An Inductor graph's map from an operation's name to the names it must be scheduled
+    after: ``additional_star_deps`` up to 2.14, ``additional_buffer_deps`` from 2.15
+    (see :data:`CHANGES`)."""
+    deps = getattr(graph, "additional_star_deps", None)
+    return deps if deps is not None else graph.additional_buffer_deps
 
 
 def fake_propagation_errors() -> tuple[type[BaseException], ...]:

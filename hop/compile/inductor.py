@@ -71,7 +71,10 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from hop.compile import _aoti_refusals  # noqa: F401  (AOTInductor raises hop's refusals as themselves)
+from hop.compile import (
+    _aoti_refusals,  # noqa: F401  (AOTInductor raises hop's refusals as themselves)
+    _torch_api,
+)
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._hooks import on_import
 from hop.errors import HopRuntimeError, format_message
@@ -274,6 +277,7 @@ def _lower_torch_while(torch_while: Fn, *args: Any, **kwargs: Any) -> Any:
         args = (*args[:3], type(args[3])(copied), *args[4:])  # a list or a tuple, as given
     known_buffers, known_operations = len(V.graph.buffers), len(V.graph.operations)
     out = torch_while(*args, **kwargs)
+    _reads_first(V.graph.operations[known_operations:])
     never = V.graph.never_reuse_buffers
     for buffer in V.graph.buffers[known_buffers:]:
         if isinstance(buffer, ir.MutationOutput):
@@ -288,6 +292,44 @@ def _lower_torch_while(torch_while: Fn, *args: Any, **kwargs: Any) -> Any:
         if isinstance(value, ir.IRNode):
             never.add(value.get_name())
     return out
+
+
+# Note [a subgraph reads its inputs first]
+# A loop body reads its int carries with ``.item()`` (so do a condition that reads
+# them and the loops the rewrites make, their counter): each read is an
+# ``ir.DynamicScalar`` that defines an unbacked symbol, and Inductor's scheduler
+# orders a kernel after the read only if the kernel declares that it uses the symbol.
+# Some do not: a scatter (``index_copy`` / ``index_put`` at a position made from the
+# counter, ``torch.full((1,), t)``) computes where it writes from the symbol but
+# declares only the symbols of the values it writes. Nothing then keeps the read
+# before that kernel: the scheduler's reorderings (for peak memory) may emit the
+# read after it, or drop a read no kernel declares. The Python wrapper fails at run
+# time (``UnboundLocalError: ... 'u10'``), the C++ one does not compile (``'u9' was
+# not declared``): a greedy decoder writing the token it picks at ``t + 1``. So every
+# other operation of a loop's subgraphs depends on the subgraph's reads of its
+# inputs: they depend on nothing, so running them first costs no memory and
+# prevents no fusion.
+
+
+def _reads_first(operations: Sequence[Any]) -> None:
+    """Note [a subgraph reads its inputs first]: for the subgraphs of ``operations`` (just lowered)."""
+    from torch._inductor import ir
+
+    for operation in operations:
+        for subgraph in operation.get_subgraphs():
+            graph = subgraph.graph
+            if graph is None:
+                continue
+            reads = [
+                op.get_name()
+                for op in graph.operations
+                if isinstance(op, ir.DynamicScalar)
+                and all(isinstance(i, ir.IRNode) and i.get_name() in graph.graph_inputs for i in op.inputs)
+            ]
+            deps = _torch_api.ordering_deps(graph)
+            for op in graph.operations if reads else ():
+                if not isinstance(op, ir.DynamicScalar):
+                    deps[op.get_operation_name()].update(reads)
 
 
 def _inline_constant_inputs(
