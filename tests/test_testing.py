@@ -286,13 +286,14 @@ def _counted_by_bounds(x: torch.Tensor) -> Any:
 
 @pytest.mark.parametrize("transform", hop.testing.COMPILED)
 def test_compiled_transforms_pass_and_report(transform: str) -> None:
-    program = _counted_by_bounds if transform in ("export_vmap", "onnx") else _counted
+    program = _counted_by_bounds if transform in ("export_vmap", "onnx", "deploy_vmap") else _counted
     report = check(program, torch.randn(4, 3, dtype=torch.float64), transforms=("eager", transform))
     assert report.ran == ["eager", transform], report
 
 
 @pytest.mark.parametrize(
-    "transform", ["compile_aot_eager", "compile_inductor_static", "export_strict", "export_vmap", "aoti", "onnx"]
+    "transform",
+    ["compile_aot_eager", "compile_inductor_static", "export_strict", "export_vmap", "aoti", "onnx", "deploy_vmap"],
 )
 def test_compiled_transforms_catch_a_compiled_value_that_differs(transform: str) -> None:
     def differs(x: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ COMPILED = (
     "export_vmap",
     "aoti",
     "onnx",
+    "deploy_vmap",
 )
 
 
@@ -85,7 +86,7 @@ class Skip(Exception):
 
 
 # The transforms that run the program under torch.vmap: vmap's limitations are theirs.
-VMAPPED = ("vmap", "vmap_grad", "grad_vmap", "vmap_jvp", "compile_inductor_vmap", "export_vmap")
+VMAPPED = ("vmap", "vmap_grad", "grad_vmap", "vmap_jvp", "compile_inductor_vmap", "export_vmap", "deploy_vmap")
 
 # A batched kernel sums in another order than a row's (a bmm for each row's mm), and a
 # gradient through a few of them differs from the row's in float32 by more than

@@ -16,7 +16,13 @@ from typing import Any
 from hop import _reference
 from hop.errors import HopTypeError, HopValueError, format_message
 from hop.testing._case import COMPILED, TRANSFORMS, CheckCase, CheckFailure, Fn, Skip, reference
-from hop.testing._compiled_checks import check_compile, check_compile_vmap, check_export_strict, check_export_vmap
+from hop.testing._compiled_checks import (
+    check_compile,
+    check_compile_vmap,
+    check_deploy_vmap,
+    check_export_strict,
+    check_export_vmap,
+)
 from hop.testing._composition_checks import check_grad_vmap, check_vmap_grad, check_vmap_jvp
 from hop.testing._deployment_checks import check_aoti, check_onnx
 from hop.testing._transform_checks import (
@@ -88,7 +94,9 @@ def check(
             (the vmapped program exported, strict and not, saved and loaded), ``aoti``
             (an AOTInductor package of the exported program, run in a fresh process
             without hop; forward only), ``onnx`` (``torch.onnx.export(dynamo=True)``,
-            the file run in onnxruntime; forward only). A documented refusal
+            the file run in onnxruntime; forward only), ``deploy_vmap`` (the vmapped
+            program exported, as an AOTInductor package in a fresh process and an ONNX
+            file in onnxruntime). A documented refusal
             (``hop.errors.CompileUnsupported``) skips the transform; any other error,
             or a different value, is a failure.
         reference: the oracle; by default ``fn`` under :func:`reference`.
@@ -215,4 +223,5 @@ _CHECKS: dict[str, Callable[[CheckCase], None]] = {
     "export_vmap": check_export_vmap,
     "aoti": check_aoti,
     "onnx": check_onnx,
+    "deploy_vmap": check_deploy_vmap,
 }

@@ -29,6 +29,7 @@ from hop.testing._case import (
     running,
 )
 from hop.testing._composition_checks import compile_vmap
+from hop.testing._deployment_checks import check_deploy_vmap as deploy_vmap
 from hop.testing._deployment_checks import check_export_vmap as export_vmap
 
 
@@ -92,3 +93,7 @@ def check_compile_vmap(case: CheckCase) -> None:
 
 def check_export_vmap(case: CheckCase) -> None:
     export_vmap(case, _traceable_program(case))
+
+
+def check_deploy_vmap(case: CheckCase) -> None:
+    deploy_vmap(case, _traceable_program(case))

@@ -1,11 +1,13 @@
-"""The checks of ``COMPILED`` that deploy the program: ``export_vmap``, ``aoti`` and ``onnx``.
+"""The checks of ``COMPILED`` that deploy the program: ``export_vmap``, ``aoti``, ``onnx``, ``deploy_vmap``.
 
 ``export_vmap`` exports the batched program (strict and non-strict, saved and
 loaded) and compares it with the reference row by row. ``aoti`` builds an
 AOTInductor package and runs it in a fresh interpreter in which hop cannot be
 imported, as a server would. ``onnx`` exports with ``torch.onnx.export(dynamo=True)``
 and runs the file in onnxruntime (skipped when onnxruntime or onnxscript is not
-installed). Each compares with the reference on the arguments and on a perturbed copy.
+installed). ``deploy_vmap`` does both to the exported batched program. Each
+compares with the reference on the arguments (and, but for the batched ones, on a
+perturbed copy).
 """
 
 from __future__ import annotations
@@ -53,6 +55,30 @@ def check_export_vmap(case: CheckCase, traceable: Any) -> None:
         compare_tensors(case, "export_vmap", got, want, paths)
 
 
+def check_deploy_vmap(case: CheckCase, traceable: Any) -> None:
+    """``torch.vmap(fn)`` exported, then as an AOTInductor package run in a fresh process
+    and (where onnxruntime is installed) as an ONNX file run in onnxruntime."""
+    import torch.utils._pytree as py_pytree  # Dynamo traces torch's Python pytree, not hop's
+
+    stacked, want = batched_reference(case, "deploy_vmap")
+
+    def floats(*xs: Any) -> tuple[torch.Tensor, ...]:
+        leaves = py_pytree.tree_leaves(traceable(*xs))
+        return tuple(o for o in leaves if isinstance(o, torch.Tensor) and o.is_floating_point())
+
+    module = ProgramModule(torch.vmap(floats), case.fn)
+    paths = [f"output {k}" for k in range(len(want))]
+    with running("deploy_vmap"):
+        ep = torch.export.export(module, tuple(stacked))
+        (got,) = _in_fresh_process(ep, [list(stacked)])
+    compare_tensors(case, "deploy_vmap", list(got), want, paths)
+    session = _onnx_session(module, list(stacked), "deploy_vmap")
+    if session is not None:
+        with running("deploy_vmap"):
+            got = _onnx_run(session, list(stacked))
+        compare_tensors(case, "deploy_vmap", got, want, paths)
+
+
 # Runs in a fresh interpreter in which hop cannot be imported: what a deployed package has.
 _LOAD = """
 import sys
@@ -67,10 +93,18 @@ torch.save([program(*xs) for xs in torch.load(inputs)], outputs)
 def check_aoti(case: CheckCase) -> None:
     on, pick = flat_program(case)
     pairs = list(inputs_and_wants(case))
-    with running("aoti"), tempfile.TemporaryDirectory() as tmp:
+    with running("aoti"):
         ep = torch.export.export(ProgramModule(on, case.fn), tuple(pick(case.args)))
+        outputs = _in_fresh_process(ep, [pick(args) for args, _ in pairs])
+    for got, (_, want) in zip(outputs, pairs, strict=True):
+        compare(case, "aoti", as_reference(got, want), want)
+
+
+def _in_fresh_process(ep: torch.export.ExportedProgram, inputs: list[list[torch.Tensor]]) -> list[Any]:
+    """``ep`` as an AOTInductor package, run on each of ``inputs`` in a fresh interpreter."""
+    with tempfile.TemporaryDirectory() as tmp:
         package = torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp}/program.pt2")
-        torch.save([pick(args) for args, _ in pairs], f"{tmp}/inputs.pt")
+        torch.save(inputs, f"{tmp}/inputs.pt")
         run = subprocess.run(
             [sys.executable, "-c", _LOAD, package, f"{tmp}/inputs.pt", f"{tmp}/outputs.pt"],
             capture_output=True,
@@ -79,9 +113,8 @@ def check_aoti(case: CheckCase) -> None:
         )
         if run.returncode != 0:
             raise RuntimeError(f"the package failed in a fresh process:\n{run.stderr[-3000:]}")
-        outputs = torch.load(Path(tmp) / "outputs.pt")
-    for got, (_, want) in zip(outputs, pairs, strict=True):
-        compare(case, "aoti", as_reference(got, want), want)
+        outputs: list[Any] = torch.load(Path(tmp) / "outputs.pt")
+    return outputs
 
 
 def as_reference(out: Any, reference: Any) -> Any:
@@ -96,23 +129,35 @@ def as_reference(out: Any, reference: Any) -> Any:
 
 
 def check_onnx(case: CheckCase) -> None:
+    on, pick = flat_program(case)
+    if any(not isinstance(o, torch.Tensor) for o in flatten(case.want)[0]):
+        raise Skip("an ONNX graph returns tensors only; the program returns a Python number")
+    session = _onnx_session(ProgramModule(on, case.fn), pick(case.args), "onnx")
+    if session is None:
+        raise Skip("onnxruntime and onnxscript are not installed")
+    for args, want in inputs_and_wants(case):
+        with running("onnx"):
+            got = _onnx_run(session, pick(args))
+        _, spec = flatten(want)
+        compare(case, "onnx", unflatten(got, spec), want)
+
+
+def _onnx_session(module: torch.nn.Module, args: list[torch.Tensor], transform: str) -> Any:
+    """``torch.onnx.export(dynamo=True)`` of ``module``, loaded in onnxruntime; None when
+    onnxruntime or onnxscript is not installed."""
     try:  # optional: imported by name, so that hop's type check needs neither
         ort = importlib.import_module("onnxruntime")
         importlib.import_module("onnxscript")  # torch.onnx.export(dynamo=True) needs it
     except ImportError:
-        raise Skip("onnxruntime and onnxscript are not installed") from None
-    on, pick = flat_program(case)
-    if any(not isinstance(o, torch.Tensor) for o in flatten(case.want)[0]):
-        raise Skip("an ONNX graph returns tensors only; the program returns a Python number")
-    with running("onnx"), warnings.catch_warnings(), torch.no_grad():
+        return None
+    with running(transform), warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's own notes
-        program = torch.onnx.export(ProgramModule(on, case.fn), tuple(pick(case.args)), dynamo=True, verbose=False)
+        program = torch.onnx.export(module, tuple(args), dynamo=True, verbose=False)
         assert program is not None
-        session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _onnx_run(session: Any, args: list[torch.Tensor]) -> list[torch.Tensor]:
     names = [i.name for i in session.get_inputs()]
-    for args, want in inputs_and_wants(case):
-        feeds = [x.detach().contiguous().numpy() for x in pick(args)]
-        with running("onnx"):
-            got = session.run(None, dict(zip(names, feeds, strict=True)))
-        _, spec = flatten(want)
-        compare(case, "onnx", unflatten([torch.from_numpy(g) for g in got], spec), want)
+    feeds = [x.detach().contiguous().numpy() for x in args]
+    return [torch.from_numpy(g) for g in session.run(None, dict(zip(names, feeds, strict=True)))]

@@ -62,4 +62,4 @@ def test_static_shapes_programs_equal_eager(cases: list[st.Case]) -> None:
 @compiled_examples(0.04)
 @given(bundles(6))
 def test_deployed_programs_equal_eager(cases: list[st.Case]) -> None:
-    run(cases, ("aoti", "onnx"))
+    run(cases, ("aoti", "onnx", "deploy_vmap"))
