@@ -46,6 +46,7 @@ COMPILED = (
     "compile_inductor",
     "compile_inductor_static",
     "compile_inductor_vmap",
+    "compile_compositions",
     "export_strict",
     "export_vmap",
     "aoti",
@@ -86,7 +87,16 @@ class Skip(Exception):
 
 
 # The transforms that run the program under torch.vmap: vmap's limitations are theirs.
-VMAPPED = ("vmap", "vmap_grad", "grad_vmap", "vmap_jvp", "compile_inductor_vmap", "export_vmap", "deploy_vmap")
+VMAPPED = (
+    "vmap",
+    "vmap_grad",
+    "grad_vmap",
+    "vmap_jvp",
+    "compile_inductor_vmap",
+    "compile_compositions",
+    "export_vmap",
+    "deploy_vmap",
+)
 
 # A batched kernel sums in another order than a row's (a bmm for each row's mm), and a
 # gradient through a few of them differs from the row's in float32 by more than

@@ -18,6 +18,7 @@ from hop.errors import HopTypeError, HopValueError, format_message
 from hop.testing._case import COMPILED, TRANSFORMS, CheckCase, CheckFailure, Fn, Skip, reference
 from hop.testing._compiled_checks import (
     check_compile,
+    check_compile_compositions,
     check_compile_vmap,
     check_deploy_vmap,
     check_export_strict,
@@ -89,7 +90,8 @@ def check(
             ``compile_aot_eager`` / ``compile_inductor`` (``torch.compile(fullgraph=True,
             dynamic=True)``), ``compile_inductor_static`` (``dynamic=False``),
             ``compile_inductor_vmap`` (the vmapped program compiled, forward and the
-            gradient outside the vmap),
+            gradient outside the vmap), ``compile_compositions`` (``vmap(grad)`` and
+            ``vmap`` of a ``jvp``, compiled with aot_eager, per row),
             ``export_strict`` (``torch.export.export(strict=True)``), ``export_vmap``
             (the vmapped program exported, strict and not, saved and loaded), ``aoti``
             (an AOTInductor package of the exported program, run in a fresh process
@@ -219,6 +221,7 @@ _CHECKS: dict[str, Callable[[CheckCase], None]] = {
     "compile_inductor": lambda case: check_compile(case, "inductor"),
     "compile_inductor_static": lambda case: check_compile(case, "inductor", dynamic=False),
     "compile_inductor_vmap": check_compile_vmap,
+    "compile_compositions": check_compile_compositions,
     "export_strict": check_export_strict,
     "export_vmap": check_export_vmap,
     "aoti": check_aoti,

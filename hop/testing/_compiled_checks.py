@@ -28,7 +28,7 @@ from hop.testing._case import (
     roundtrip,
     running,
 )
-from hop.testing._composition_checks import compile_vmap
+from hop.testing._composition_checks import compile_compositions, compile_vmap
 from hop.testing._deployment_checks import check_deploy_vmap as deploy_vmap
 from hop.testing._deployment_checks import check_export_vmap as export_vmap
 
@@ -97,3 +97,7 @@ def check_export_vmap(case: CheckCase) -> None:
 
 def check_deploy_vmap(case: CheckCase) -> None:
     deploy_vmap(case, _traceable_program(case))
+
+
+def check_compile_compositions(case: CheckCase) -> None:
+    compile_compositions(case, _traceable_program(case))

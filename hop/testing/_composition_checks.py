@@ -189,6 +189,56 @@ def batched_reference(
     return batch.stacked, _stacked(rows)
 
 
+def compile_compositions(case: CheckCase, traceable: Fn) -> None:
+    """``torch.compile(torch.vmap(torch.func.grad(s)))`` and the compiled ``vmap`` of a
+    ``jvp`` (aot_eager), against the reference's per-row gradient and tangents."""
+    import torch.utils._pytree as py_pytree  # Dynamo traces torch's Python pytree, not hop's
+
+    name = "compile_compositions"
+    batch = _Batch(case)
+    want, cotangents = _reference_grads(case, name, batch)
+
+    def floats(*xs: Any) -> list[torch.Tensor]:
+        leaves = py_pytree.tree_leaves(traceable(*xs))
+        return [o for o in leaves if isinstance(o, torch.Tensor) and o.is_floating_point()]
+
+    def s(*xs: Any) -> torch.Tensor:
+        outs = floats(*xs)
+        return sum(((o * c).sum() for o, c in zip(outs, cotangents, strict=True)), torch.zeros((), dtype=outs[0].dtype))
+
+    torch._dynamo.reset()
+    per_row = torch.compile(torch.vmap(torch.func.grad(s, argnums=batch.floats)), backend="aot_eager", fullgraph=True)
+    with running(name):
+        got = per_row(*batch.stacked)
+    compare_tensors(case, name, list(got), want, batch.paths)
+    gen = case.generator(-4)
+    first = batch.row_leaves[0]
+    tangents = tuple(torch.randn(first[k].shape, generator=gen, dtype=first[k].dtype) for k in batch.floats)
+
+    def tangent_of(fn: Fn) -> Fn:
+        def one(*leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            def of_floats(*fs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                full = list(leaves)
+                for k, f in zip(batch.floats, fs, strict=True):
+                    full[k] = f
+                return tuple(fn(*full))
+
+            pair: Any = torch.func.jvp(of_floats, tuple(leaves[k] for k in batch.floats), tangents)
+            return tuple(t.to(p.dtype) for p, t in zip(pair[0], pair[1], strict=True))
+
+        return one
+
+    with running(name, reference=True):
+        rows = [tangent_of(lambda *xs: _float_outputs(case.ref, case, xs))(*leaves) for leaves in batch.row_leaves]
+    want_tangents = _stacked(rows)
+    torch._dynamo.reset()
+    forward = torch.compile(torch.vmap(tangent_of(floats)), backend="aot_eager", fullgraph=True)
+    with running(name):
+        got = forward(*batch.stacked)
+    compare_tensors(case, name, list(got), want_tangents, [f"tangent of output {k}" for k in range(len(want_tangents))])
+    torch._dynamo.reset()
+
+
 def _stacked(rows: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     """The reference's rows stacked, output by output; a skip when their shapes differ."""
     if len({tuple(tuple(t.shape) for t in row) for row in rows}) > 1:

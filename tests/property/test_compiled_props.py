@@ -55,8 +55,8 @@ def test_compiled_programs_equal_eager(cases: list[st.Case]) -> None:
 
 @compiled_examples(0.04)
 @given(bundles(6))
-def test_static_shapes_programs_equal_eager(cases: list[st.Case]) -> None:
-    run(cases, ("compile_inductor_static",))
+def test_static_shapes_and_compiled_compositions_equal_eager(cases: list[st.Case]) -> None:
+    run(cases, ("compile_inductor_static", "compile_compositions"))
 
 
 @compiled_examples(0.04)
