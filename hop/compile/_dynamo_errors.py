@@ -74,7 +74,7 @@ def untraceable(op: str, role: str, error: Unsupported) -> Exception:
         reason = f"{reason}: {explanation.rstrip('.')}"
     where = _user_line(getattr(error, "real_stack", None) or [])
     at = f" at {where}" if where else ""
-    if "side effect" in lines[0].lower() or "method call" in lines[0].lower():
+    if any(word in lines[0].lower() for word in ("side effect", "method call", "mutation")):  # names vary by release
         fix = (
             f"Move that statement out of {role} (a global, a context variable or an object outside it, written "
             "on every call: write it before or after the operator, or once around the compiled call), or call "
