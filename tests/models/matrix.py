@@ -196,17 +196,26 @@ DEPLOYMENTS = ("export", "strict export refused", "aoti", "onnx")
 
 
 def check_deployment(
-    path: str, model: torch.nn.Module, example: Case, cases: Sequence[Case], tmp: Path, dynamic_shapes: Any = None
+    path: str,
+    model: torch.nn.Module,
+    example: Case,
+    cases: Sequence[Case],
+    tmp: Path,
+    dynamic_shapes: Any = None,
+    strict_refused: bool = True,
 ) -> None:
     """One of :data:`DEPLOYMENTS`: non-strict export (saved, loaded, decomposed); strict
     export of a ``torch.vmap`` whose callables read module parameters, which Dynamo
     cannot lift (the documented ``CompileUnsupported``, docs/compile.md); an AOTInductor
-    package in a fresh process; an ONNX file in onnxruntime."""
+    package in a fresh process; an ONNX file in onnxruntime. ``strict_refused=False``: a
+    model whose callables strict export captures, so that path checks it instead."""
     import pytest
 
     from hop.errors import CompileUnsupported
 
-    if path == "strict export refused":
+    if path == "strict export refused" and not strict_refused:  # a model whose strict export runs
+        check_export(model, example, cases, dynamic_shapes=dynamic_shapes, strict_modes=(True,))
+    elif path == "strict export refused":
         with pytest.raises(CompileUnsupported, match=r"reads a tensor that requires grad \(a module parameter\)"):
             torch.export.export(model, example, dynamic_shapes=dynamic_shapes, strict=True)
     elif path == "export":

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from matrix import DEPLOYMENTS, assert_same, check_compile, check_compile_grad, check_deployment, check_export
+from matrix import DEPLOYMENTS, assert_same, check_compile, check_compile_grad, check_deployment
 from torch.export import Dim
 
 import hop
@@ -149,10 +149,8 @@ BATCH = Dim("batch", min=2, max=64)
 @pytest.mark.parametrize("path", DEPLOYMENTS)
 def test_deployed_equals_eager(path: str, tmp_path: Path) -> None:
     model, cases = make()
-    if path == "strict export refused":  # nothing here is refused: strict export runs like the rest
-        check_export(model, cases[0], cases, dynamic_shapes=({0: BATCH},), strict_modes=(True,))
-        return
-    check_deployment(path, model, cases[0], cases, tmp_path, dynamic_shapes=({0: BATCH},))
+    # nothing here is refused: the strict export path runs like the rest
+    check_deployment(path, model, cases[0], cases, tmp_path, dynamic_shapes=({0: BATCH},), strict_refused=False)
 
 
 def test_steps_counted_are_a_python_loops() -> None:

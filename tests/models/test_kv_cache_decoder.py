@@ -184,9 +184,5 @@ BATCH = Dim("batch", min=2, max=64)
 @pytest.mark.parametrize("path", DEPLOYMENTS)
 def test_deployed_equals_eager(path: str, tmp_path: Path) -> None:
     model, cases = make()
-    if path == "strict export refused":  # nothing here is refused: strict export runs like the rest
-        from matrix import check_export
-
-        check_export(model, cases[0], cases, dynamic_shapes=({0: BATCH},), strict_modes=(True,))
-        return
-    check_deployment(path, model, cases[0], cases, tmp_path, dynamic_shapes=({0: BATCH},))
+    # nothing here is refused: the strict export path runs like the rest
+    check_deployment(path, model, cases[0], cases, tmp_path, dynamic_shapes=({0: BATCH},), strict_refused=False)
