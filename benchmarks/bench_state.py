@@ -1,10 +1,11 @@
 """State inside a compiled loop: the cost of writing one row per step into a large buffer.
 
-A ``fori_loop`` whose body writes one row of 64 floats into a buffer of N rows (the
-buffer carried, written out of place with ``index_copy``: the form every traced mode
-takes today) and does a small fixed amount of other work, compiled with Inductor.
-Measured per step at N = 256, 4096 and 65536, and against the same Python ``for``
-loop compiled by Inductor (Dynamo unrolls it), in one run.
+A ``fori_loop`` whose body writes one row of 64 floats into a buffer of N rows and does
+a small fixed amount of other work, compiled with Inductor, in two forms: the buffer
+carried and written out of place (``index_copy``), and a buffer the body closes over,
+written in place (``index_copy_``, docs/state.md). Measured per step at N = 256, 4096
+and 65536, and against the same Python ``for`` loop compiled by Inductor (Dynamo
+unrolls it), in one run.
 
 Targets (the issue on state inside control flow): per-step time at N = 65536 within
 1.3x of N = 256 (a write costs the slice written, not the buffer), and hop at most
@@ -42,6 +43,22 @@ def hop_loop(buffer: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> tuple[to
     return hop.fori_loop(torch.tensor(0), torch.tensor(STEPS), body, (buffer, v))
 
 
+def hop_loop_in_place(buffer: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def body(i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        v = work(v, w)
+        buffer.index_copy_(0, i.reshape(1), v[None])
+        return v
+
+    return hop.fori_loop(torch.tensor(0), torch.tensor(STEPS), body, v)
+
+
+def python_loop_in_place(buffer: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    for i in range(STEPS):
+        v = work(v, w)
+        buffer[i] = v
+    return v
+
+
 def python_loop(buffer: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(STEPS):
         v = work(v, w)
@@ -64,11 +81,20 @@ def main() -> None:
         got = compiled(buffer, v, w)
         torch.testing.assert_close(got[0], python_loop(buffer, v, w)[0])
         rows.append((f"hop fori_loop, inductor, N = {n}", per_step_us(compiled, buffer, v, w)))
-    buffer = torch.zeros(256, ROW)
-    torch._dynamo.reset()
-    unrolled = torch.compile(python_loop, backend="inductor", fullgraph=True)
-    unrolled(buffer, v, w)
-    rows.append(("python for (unrolled), inductor, N = 256", per_step_us(unrolled, buffer, v, w)))
+    for n in (256, 4096, 65536):
+        buffer, want = torch.zeros(n, ROW), torch.zeros(n, ROW)
+        torch._dynamo.reset()
+        compiled = torch.compile(hop_loop_in_place, backend="inductor", fullgraph=True)
+        compiled(buffer, v, w)
+        python_loop_in_place(want, v, w)
+        torch.testing.assert_close(buffer, want)
+        rows.append((f"hop fori_loop in place, inductor, N = {n}", per_step_us(compiled, buffer, v, w)))
+    for name, loop in (("", python_loop), (" in place", python_loop_in_place)):
+        buffer = torch.zeros(256, ROW)
+        torch._dynamo.reset()
+        unrolled = torch.compile(loop, backend="inductor", fullgraph=True)
+        unrolled(buffer, v, w)
+        rows.append((f"python for{name} (unrolled), inductor, N = 256", per_step_us(unrolled, buffer, v, w)))
     report(f"us per step ({STEPS} steps, one row of {ROW} written per step)", rows, "hop fori_loop, inductor, N = 256")
 
 

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
-from hop import _observe, _records
+from hop import _observe, _records, _state
 from hop._closures import closure_tensors
 from hop._transforms import callers_rewrites, is_user_mode, nothing_active, rewrites_reentered
 from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
@@ -187,12 +187,21 @@ def call(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 return kernel(*args)
             finally:
                 _set_excluded(_AUTOGRAD, False)
-    tensors = tensors_in((args, kwargs))
-    if torch.overrides.has_torch_function(tensors):
-        _record(op, "TorchFunction", "torch-function")
-        with callers_rewrites():
-            return torch.overrides.handle_torch_function(cast(Any, op), tensors, *args, **kwargs)
-    return dispatch(op, _highest_key(op, tensors), args, kwargs)
+    with _state.entry() as first:
+        try:
+            tensors = tensors_in((args, kwargs))
+            if torch.overrides.has_torch_function(tensors):
+                _record(op, "TorchFunction", "torch-function")
+                with callers_rewrites():
+                    return torch.overrides.handle_torch_function(cast(Any, op), tensors, *args, **kwargs)
+            return dispatch(op, _highest_key(op, tensors), args, kwargs)
+        except _state.StateWrites as e:
+            if not first:
+                raise
+            if e.op != op.name():  # a nested operator's, with no first frame of its own
+                raise e.refusal from None
+            writes = e
+    return _state.rewrite(op, args, kwargs, writes)  # Note [state inside control flow]
 
 
 def _plain_kernel(op: Operator, args: tuple[Any, ...]) -> Kernel | None:

@@ -12,7 +12,6 @@ Separate from tracing: it reads graphs and tensors' storage after the fact.
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,10 +19,10 @@ import torch
 import torch.fx
 import torch.utils._pytree as py_pytree
 
-from hop import _spec
-from hop._output_checks import describe_fn
+from hop import _spec, _state
+from hop._output_checks import describe_fn, storage_id
 from hop._tracing import keeping_node_meta
-from hop.errors import CompileUnsupported, format_message
+from hop.errors import CompileUnsupported, MutationError, format_message
 
 __all__ = [
     "CHECK_EFFECTS",
@@ -81,76 +80,12 @@ def hidden_alias(outputs: Sequence[Any], inputs: Sequence[Any]) -> bool:
     """Whether a tensor of ``outputs`` shares storage with one of ``inputs`` (fake
     included) while being neither an input nor a view: ``x.detach()``, ``x.data``,
     aliases that the cheap checks (identity, ``_is_view``) do not see."""
-    seen = {s for s in map(_storage, inputs) if s is not None}
+    seen = {s for s in map(storage_id, inputs) if s is not None}
     for o in outputs:
-        s = _storage(o)
+        s = storage_id(o)
         if s is not None and s in seen and not o._is_view() and not any(o is x for x in inputs):
             return True
     return False
-
-
-def _storage(v: Any) -> int | None:
-    """An id of ``v``'s storage, equal for tensors sharing memory (compared while alive)."""
-    if isinstance(v, torch.Tensor) and v.layout == torch.strided:
-        try:
-            return int(v.untyped_storage()._cdata)
-        except (NotImplementedError, RuntimeError):
-            return None
-    return None
-
-
-def name_in(fn: Any, value: Any) -> str | None:
-    """What the user calls the tensor ``value`` (or a traced stand-in for it: the same
-    storage, size and offset) in ``fn``, unwrapped as :func:`describe_fn` does:
-    a variable it closes over (``buf``), a parameter or buffer of a module it reaches
-    through ``self`` or a closed-over module (``self.cache``), an attribute of a
-    closed-over object; None when it is none of these (a carry passed in)."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    seen: set[int] = set()
-    while True:
-        found = _name_in_one(fn, value)
-        if found is not None or not hasattr(fn, "__wrapped__") or id(fn) in seen:
-            return found
-        seen.add(id(fn))
-        fn = fn.__wrapped__
-
-
-def _name_in_one(fn: Any, value: torch.Tensor) -> str | None:
-    roots: list[tuple[str, Any]] = []
-    if isinstance(fn, types.MethodType):
-        roots.append(("self", fn.__self__))
-        fn = fn.__func__
-    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-    if code is not None and cells is not None:
-        for var, cell in zip(code.co_freevars, cells, strict=False):
-            try:
-                roots.append((var, cell.cell_contents))
-            except ValueError:  # not yet assigned
-                continue
-    if isinstance(fn, torch.nn.Module):
-        roots.append(("self", fn))
-    for var, obj in roots:
-        if _stands_for(obj, value):
-            return var
-        if isinstance(obj, torch.nn.Module):
-            for attr, t in (*obj.named_parameters(), *obj.named_buffers()):
-                if _stands_for(t, value):
-                    return f"{var}.{attr}"
-        elif not isinstance(obj, type) and hasattr(obj, "__dict__"):
-            field = next((a for a, v in vars(obj).items() if _stands_for(v, value)), None)
-            if field is not None:
-                return f"{var}.{field}"
-    return None
-
-
-def _stands_for(obj: Any, value: torch.Tensor) -> bool:
-    if obj is value:
-        return True
-    if not isinstance(obj, torch.Tensor) or obj.shape != value.shape:
-        return False
-    s = _storage(obj)
-    return s is not None and s == _storage(value) and obj.storage_offset() == value.storage_offset()
 
 
 def find_mutations_and_aliases(gm: torch.fx.GraphModule) -> Effects:
@@ -162,14 +97,14 @@ def find_mutations_and_aliases(gm: torch.fx.GraphModule) -> Effects:
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
-    storages = [_storage(n.meta.get("val")) for n in placeholders]
+    storages = [storage_id(n.meta.get("val")) for n in placeholders]
     mutated: set[int] = set()
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         for arg_schema, arg in zip(node.target._schema.arguments, node.args, strict=False):
             if arg_schema.is_write and isinstance(arg, torch.fx.Node):
-                written = _storage(arg.meta.get("val"))
+                written = storage_id(arg.meta.get("val"))
                 for i, s in enumerate(storages):
                     if s is not None and s == written:
                         mutated.add(i)
@@ -180,11 +115,29 @@ def find_mutations_and_aliases(gm: torch.fx.GraphModule) -> Effects:
     outs = py_pytree.tree_leaves(out_node.args[0])
     aliased = []
     for j, o in enumerate(outs):
-        so = _storage(o.meta.get("val")) if isinstance(o, torch.fx.Node) else None
-        for i, s in enumerate(storages):
-            if so is not None and s == so:
-                aliased.append((j, i))
+        so = storage_id(o.meta.get("val")) if isinstance(o, torch.fx.Node) else None
+        found = [(j, i) for i, s in enumerate(storages) if so is not None and s == so]
+        if not found and isinstance(o, torch.fx.Node) and o.op == "call_function":
+            # storages that do not say (a real-mode trace): the schema's aliases of a tensor input
+            root = _written_root(o)
+            found = [(j, index[root])] if root in index and isinstance(root.meta.get("val"), torch.Tensor) else []
+        aliased.extend(found)
     return Effects(tuple(sorted(mutated)), tuple(aliased))
+
+
+def _written_root(node: Any) -> Any:
+    """The node ``node`` returns its first argument of: through ops whose schema says
+    their output aliases it (``add_``, ``view``), back to where that chain starts."""
+    seen = 0
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and seen < 64:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+            return node
+        returns, arguments = target._schema.returns, target._schema.arguments
+        if returns[0].alias_info is None or not arguments or arguments[0].alias_info is None:
+            return node
+        node, seen = node.args[0], seen + 1
+    return node
 
 
 def _is_written_kwarg(target: torch._ops.OpOverload, name: str) -> bool:
@@ -207,13 +160,13 @@ def clone_aliased_outputs(gm: torch.fx.GraphModule, effects: Effects) -> None:
 def clone_aliases(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
     """``outputs`` with every tensor that shares storage with an input (or an
     earlier output) cloned, so a HOP never returns an alias of its operands."""
-    seen = {s for s in (_storage(i) for i in inputs) if s is not None}
+    seen = {s for s in (storage_id(i) for i in inputs) if s is not None}
     result = []
     for o in outputs:
-        s = _storage(o)
+        s = storage_id(o)
         if s is not None and s in seen:
             o = o.clone()
-            s = _storage(o)
+            s = storage_id(o)
         if s is not None:
             seen.add(s)
         result.append(o)
@@ -340,7 +293,9 @@ class _UntokenedChecks(torch.utils._python_dispatch.TorchDispatchMode):  # type:
         )
 
 
-def functionalize_body(ctx: Any, fn: Callable[..., Any], op: str, role: str) -> Callable[..., Any]:
+def functionalize_body(
+    ctx: Any, fn: Callable[..., Any], op: str, role: str, sink: list[Any] | None = None
+) -> Callable[..., Any]:
     """``ctx.functionalize(fn)`` for the functionalize rule of ``op``, whose callable
     ``role`` is ``fn``: under torch's Python functionalization (the one that threads
     effect tokens), effectful ops inside ``fn`` take no token (Note [effect tokens
@@ -356,8 +311,53 @@ def functionalize_body(ctx: Any, fn: Callable[..., Any], op: str, role: str) -> 
                 return fn(*args, **kwargs)
 
         body.__wrapped__ = fn  # type: ignore[attr-defined]
+        return _functionalized_writing_back(ctx, body, role, [] if sink is None else sink)
     functionalized: Callable[..., Any] = ctx.functionalize(body)
     return functionalized
+
+
+def _functionalized_writing_back(ctx: Any, fn: Callable[..., Any], role: str, sink: list[Any]) -> Callable[..., Any]:
+    """``fn`` under ``ctx``'s FunctionalTensorMode, as torch's ``ctx.functionalize``
+    runs it, but a write to an input is not dropped: it is written back to the input
+    (a ``copy_`` that a tracer below records, so the proxy rule sees it) and reported
+    in ``sink`` (for a run that traces nothing: AOTAutograd's first pass), so that
+    the call is made pure (Note [state inside control flow] in ``hop._state``)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    def from_fun(t: Any) -> Any:
+        if not isinstance(t, FunctionalTensor):
+            return t
+        torch._sync(t)  # type: ignore[attr-defined, no-untyped-call]
+        return torch._from_functional_tensor(t.elem)
+
+    def inner(*args: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
+            with ctx.mode:
+                wrapped = py_pytree.tree_map_only(torch.Tensor, FunctionalTensor.to_functional, args)
+                with _state.user_code():
+                    result = fn(*wrapped)
+                leaves = py_pytree.tree_leaves(wrapped)
+                mutated = tuple(
+                    i
+                    for i, w in enumerate(leaves)
+                    if isinstance(w, FunctionalTensor) and torch._functionalize_has_data_mutation(w.elem)  # type: ignore[attr-defined]
+                )
+                if not mutated:
+                    return py_pytree.tree_map_only(FunctionalTensor, from_fun, result)
+                outs, spec = py_pytree.tree_flatten(result)
+                aliased = tuple((j, i) for j, o in enumerate(outs) for i in mutated if o is leaves[i])
+                sink.append(_state.Written(role, fn, mutated, aliased, {i: leaves[i] for i in mutated}))
+                plain = py_pytree.tree_leaves(args)
+                written = [(plain[i], from_fun(leaves[i])) for i in mutated]
+                outs = [from_fun(o) for o in outs]
+            for a, new in written:
+                a.copy_(new)
+            for j, i in aliased:  # the written input itself, as Python returns it
+                outs[j] = plain[i]
+        return py_pytree.tree_unflatten(outs, spec)
+
+    inner.__wrapped__ = fn  # type: ignore[attr-defined]
+    return inner
 
 
 def functionalize_rule(
@@ -371,10 +371,33 @@ def functionalize_rule(
     positions = spec.layout.subgraph_positions(args)
     roles = dict(zip(positions, spec.role_names(len(positions)), strict=True))
     unwrapped = [a if k in roles else _tuple_if_list(ctx.unwrap_tensors(a)) for k, a in enumerate(args)]
+    sink: list[_state.Written] = []
     with ctx.redispatch_to_next():
-        call = [functionalize_body(ctx, a, spec.name, roles[k]) if k in roles else a for k, a in enumerate(unwrapped)]
+        call = [
+            functionalize_body(ctx, a, spec.name, roles[k], sink) if k in roles else a for k, a in enumerate(unwrapped)
+        ]
         out = op(*call, **kwargs)
+    if sink:  # a run that traced nothing (the proxy rule raises this itself)
+        refusal = MutationError(
+            format_message(spec.name, f"{sink[0].role} writes one of its inputs in place", role=None),
+            op=spec.name,
+            role=sink[0].role,
+        )
+        layout = spec.layout
+        n = sum(len(args[p]) for p in (layout.carries, layout.xs, layout.inputs) if p is not None)
+        raise _state.StateWrites(spec.name, _first_per_role(sink), [], refusal, n)
     return ctx.wrap_tensors(out)
+
+
+def _first_per_role(sink: list[_state.Written]) -> list[_state.Written]:
+    """One record per callable (a loop's body runs several times)."""
+    seen: dict[str, _state.Written] = {}
+    for w in sink:
+        if w.role in seen:
+            prior = seen[w.role]
+            w = _state.Written(w.role, w.fn, tuple(sorted({*prior.mutated, *w.mutated})), prior.aliased, prior.value_of)
+        seen[w.role] = w
+    return list(seen.values())
 
 
 def _tuple_if_list(value: Any) -> Any:

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hop import _observe, _transforms
 
-__all__ = ["NotValidatable", "HookedModule", "fakeable", "fake_inputs", "check_hooks"]
+__all__ = ["NotValidatable", "HookedModule", "fakeable", "fake_inputs", "check_hooks", "referents"]
 
 Fn = Callable[..., Any]
 _Tensor = torch.Tensor
@@ -179,6 +179,9 @@ class _QuietWhileValidating(logging.Filter):
 logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietWhileValidating())
 
 
+_REAL = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
 class _FakeClosures(torch.overrides.TorchFunctionMode):
     """Every real tensor a torch call receives becomes its fake copy (Note [validation is invisible])."""
 
@@ -196,15 +199,19 @@ class _FakeClosures(torch.overrides.TorchFunctionMode):
         hop_op = isinstance(func, torch._ops.HigherOrderOperator)
 
         def fake(x: Any) -> Any:
-            if type(x) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not x.is_meta:
+            if type(x) in _REAL and not x.is_meta:
                 return self._fake(x)
             if hop_op and callable(x) and not isinstance(x, torch.Tensor):
                 return self._inside(x)  # a nested operator's callables close over real tensors too
             return x
 
+        real_self = args[0] if args and type(args[0]) in _REAL else None
         args, kwargs = pytree.tree_map(fake, (tuple(args), kwargs or {}))
         if not hop_op:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            # an in-place op returns its input: the real one, so that ``self.count += 1``
+            # assigns the module's own tensor back, never its fake copy
+            return real_self if real_self is not None and out is args[0] else out
         if self.nesting >= _MAX_NESTING:
             raise NotValidatable(f"hop operators nested more than {_MAX_NESTING} deep")
         self.nesting += 1
@@ -278,10 +285,10 @@ def _reached_modules(fns: Sequence[Any]) -> Iterator[torch.nn.Module]:
         seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
             yield obj
-        todo.extend(_referents(obj))
+        todo.extend(referents(obj))
 
 
-def _referents(obj: Any) -> list[Any]:
+def referents(obj: Any) -> list[Any]:
     """What calling ``obj`` may read: a function's closure, defaults and named globals,
     a method's function and self, a partial's parts, a container's items, a module's
     submodules and public attributes, another object's attributes."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import pathlib
+import re
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -58,14 +60,100 @@ def leaf_meta(leaf: Any) -> LeafMeta:
 
 
 def describe_fn(fn: Any) -> str:
-    """``name (file.py:12)`` for a callable, for error messages."""
+    """``name (file.py:12)`` for a callable, for error messages; for a graph Dynamo
+    traced, the user's function its first recorded line was in."""
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
+    if isinstance(fn, torch.fx.GraphModule):
+        return _traced_from(fn) or "a callable traced by torch.compile"
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
     if code is None:
         return name
     return f"{name} ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_OWN = str(pathlib.Path(__file__).resolve().parent)
+
+
+def _traced_from(gm: torch.fx.GraphModule) -> str | None:
+    """``body (model.py:7)``: the innermost frame outside hop and torch in the recorded
+    stack traces of ``gm``'s nodes (the deepest: a node's trace also holds the caller's)."""
+    best: list[tuple[str, str, str]] = []
+    for node in gm.graph.nodes:
+        frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+        user = [f for f in frames if not f[0].startswith(_OWN) and "/torch/" not in f[0]]
+        if len(user) > len(best):
+            best = user
+    if not best:
+        return None
+    path, line, name = best[-1]
+    return f"{name} ({path.rsplit('/', 1)[-1]}:{line})"
+
+
+def storage_id(v: Any) -> int | None:
+    """An id of ``v``'s storage, equal for tensors sharing memory (compared while alive)."""
+    if isinstance(v, torch.Tensor) and v.layout == torch.strided:
+        try:
+            return int(v.untyped_storage()._cdata)
+        except (NotImplementedError, RuntimeError):
+            return None
+    return None
+
+
+def name_in(fn: Any, value: Any) -> str | None:
+    """What the user calls the tensor ``value`` (or a traced stand-in for it: the same
+    storage, size and offset) in ``fn``, unwrapped as :func:`describe_fn` does:
+    a variable it closes over (``buf``), a parameter or buffer of a module it reaches
+    through ``self`` or a closed-over module (``self.cache``), an attribute of a
+    closed-over object; None when it is none of these (a carry passed in)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    seen: set[int] = set()
+    while True:
+        found = _name_in_one(fn, value)
+        if found is not None or not hasattr(fn, "__wrapped__") or id(fn) in seen:
+            return found
+        seen.add(id(fn))
+        fn = fn.__wrapped__
+
+
+def _name_in_one(fn: Any, value: torch.Tensor) -> str | None:
+    roots: list[tuple[str, Any]] = []
+    if isinstance(fn, types.MethodType):
+        roots.append(("self", fn.__self__))
+        fn = fn.__func__
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is not None and cells is not None:
+        for var, cell in zip(code.co_freevars, cells, strict=False):
+            try:
+                roots.append((var, cell.cell_contents))
+            except ValueError:  # not yet assigned
+                continue
+    if isinstance(fn, torch.nn.Module):
+        roots.append(("self", fn))
+    for var, obj in roots:
+        if _names_tensor(obj, value):
+            return var
+        if isinstance(obj, torch.nn.Module):
+            for attr, t in (*obj.named_parameters(), *obj.named_buffers()):
+                if _names_tensor(t, value):
+                    return f"{var}.{attr}"
+        elif not isinstance(obj, type) and hasattr(obj, "__dict__"):
+            field = next((a for a, v in vars(obj).items() if _names_tensor(v, value)), None)
+            if field is not None:
+                return f"{var}.{field}"
+    return None
+
+
+def _names_tensor(obj: Any, value: torch.Tensor) -> bool:
+    if obj is value:
+        return True
+    if not isinstance(obj, torch.Tensor) or obj.shape != value.shape:
+        return False
+    s = storage_id(obj)
+    return s is not None and s == storage_id(value) and obj.storage_offset() == value.storage_offset()
 
 
 def _fmt_dtype(d: torch.dtype | None) -> str:

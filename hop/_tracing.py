@@ -10,14 +10,15 @@ subgraphs as get_attr submodules. What a traced branch closes over is lifted by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 import torch.utils._pytree as py_pytree
 
-from hop import _observe
+from hop import _observe, _state
 
 __all__ = ["emit", "keeping_node_meta", "per_element", "trace_example", "trace_subgraph", "unknown_value"]
 
@@ -32,7 +33,7 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
     """
     from torch.fx.experimental import proxy_tensor
 
-    fn = keeping_node_meta(fn)
+    fn = _as_user_code(keeping_node_meta(fn))
     tracer = proxy_tensor._CURRENT_MAKE_FX_TRACER
     if tracer is not None:
         gm: torch.fx.GraphModule = tracer.trace_subgraph(fn, *[per_element(a) for a in args])
@@ -47,6 +48,63 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
         return proxy_tensor.make_fx(fn, tracing_mode="fake")(*args)
     with fake_mode:
         return proxy_tensor.make_fx(fn, tracing_mode="real")(*args)
+
+
+def _as_user_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run as a user's code: an operator it calls starts a call of its own
+    (Note [state inside control flow] in ``hop._state``), and ``self.count += 1``
+    writes the buffer in place without torch.export taking the write for a new
+    buffer of the top graph (:func:`_buffer_writes_in_place`)."""
+
+    def user(*args: Any) -> Any:
+        with _state.user_code(), _buffer_writes_in_place():
+            return fn(*args)
+
+    user.__wrapped__ = fn  # type: ignore[attr-defined]
+    return user
+
+
+@contextlib.contextmanager
+def _buffer_writes_in_place() -> Iterator[None]:
+    """While a subgraph is traced, module buffer registration hooks (torch.export's, which
+    map a buffer assigned in ``forward`` to the node it must be copied from) see no
+    assignment of a buffer's own tensor, as an augmented assignment (``self.count += 1``)
+    makes: the in-place write is the subgraph's, made pure by its operator. Assigning
+    another tensor to a buffer inside a callable would lose it once traced: refused."""
+    import torch.nn.modules.module as nn_module
+
+    hooks = nn_module._global_buffer_registration_hooks
+    if not hooks:
+        yield
+        return
+    saved = dict(hooks)
+
+    def in_place_only(module: torch.nn.Module, name: str, buffer: Any) -> Any:
+        if name not in module._buffers:  # a new buffer (a tracer's constant): as before
+            for hook in saved.values():
+                out = hook(module, name, buffer)
+                buffer = buffer if out is None else out
+            return buffer
+        if module._buffers[name] is not buffer:
+            from hop.errors import MutationError, format_message
+
+            raise MutationError(
+                format_message(
+                    "subgraph",
+                    f"a callable assigns a new tensor to the buffer {name!r} of a {type(module).__name__}; "
+                    "an assignment inside an operator's callable cannot be traced",
+                    fix=f"Write the buffer in place instead (self.{name}.copy_(value)).",
+                )
+            )
+        return None
+
+    hooks.clear()
+    hooks[-1] = in_place_only
+    try:
+        yield
+    finally:
+        hooks.clear()
+        hooks.update(saved)
 
 
 def object_val(name: str, value: Any) -> Any:

@@ -210,12 +210,8 @@ def _speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT], flat_out
             fix="Export without strict=True (non-strict export, the default, captures it), or pass the "
             "parameters to the operator as operands.",
         ) from e
-    if getattr(graph, "_dynamo_mutated_input_indices", None):
-        raise unsupported(
-            name,
-            f"{role} writing one of its inputs in place",
-            fix=f"Return the new value from {role} instead of writing the input.",
-        )
+    # a write to an input stays in the subgraph: the call's first hop frame makes it pure
+    # when AOTAutograd traces the node (Note [state inside control flow] in hop._state)
     effect = _effects.untokened_effect(graph)
     if effect is not None:
         raise unsupported(

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch._dynamo.exc import Unsupported
 
 from hop import _observe
@@ -74,7 +75,19 @@ def untraceable(op: str, role: str, error: Unsupported) -> Exception:
         reason = f"{reason}: {explanation.rstrip('.')}"
     where = _user_line(getattr(error, "real_stack", None) or [])
     at = f" at {where}" if where else ""
-    if any(word in lines[0].lower() for word in ("side effect", "method call", "mutation")):  # names vary by release
+    if _in_kernels_wrapper(error):
+        fix = (
+            "That write is the kernels package's (transformers' hub kernels), which wraps a model's forward "
+            "and writes a global on every call. Export the program instead (torch.export.export) and compile "
+            "ep.module() with torch.compile, or package it with AOTInductor: the exported graph holds no such write."
+        )
+    elif "_buffers[name]" in str(error.msg) or "register_buffer" in (where or "") or _assigns_buffer(error):
+        fix = (
+            f"Write the buffer in place inside {role} (self.count.add_(1), self.cache.copy_(v)): an augmented "
+            "assignment such as self.count += 1 also assigns the module's attribute, which torch.compile cannot "
+            "capture inside an operator's callable."
+        )
+    elif any(word in lines[0].lower() for word in ("side effect", "method call", "mutation")):  # names vary by release
         fix = (
             f"Move that statement out of {role} (a global, a context variable or an object outside it, written "
             "on every call: write it before or after the operator, or once around the compiled call), or call "
@@ -88,16 +101,27 @@ def untraceable(op: str, role: str, error: Unsupported) -> Exception:
     return unsupported(op, f"{role}, which Dynamo cannot trace into one graph ({reason}){at},", fix=fix)
 
 
+def _in_kernels_wrapper(error: Unsupported) -> bool:
+    """Whether Dynamo stopped in the ``kernels`` package's forward wrapper."""
+    stack = getattr(error, "real_stack", None) or []
+    return any("/kernels/" in getattr(f, "filename", "") for f in stack)
+
+
+def _assigns_buffer(error: Unsupported) -> bool:
+    """Whether Dynamo stopped in torch's module code assigning a buffer (``self.count += 1``)."""
+    return any(getattr(f, "name", "") == "register_buffer" for f in getattr(error, "real_stack", None) or [])
+
+
 def _user_line(stack: Any) -> str | None:
-    """``file.py:12 in fn (`source`)`` for the innermost frame of ``stack`` outside hop."""
+    """``file.py:12 in fn (`source`)`` for the innermost frame of ``stack`` outside hop and torch."""
     import os
 
     import hop
 
-    root = os.path.dirname(os.path.abspath(hop.__file__))
+    roots = [os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep for m in (hop, torch)]
     for frame in reversed(list(stack)):
         filename = getattr(frame, "filename", "")
-        if filename and os.path.abspath(filename).startswith(root + os.sep):
+        if filename and any(os.path.abspath(filename).startswith(r) for r in roots):
             continue
         text = f"{os.path.basename(filename)}:{frame.lineno} in {frame.name}"
         source = (frame.line or "").strip()

@@ -19,7 +19,7 @@ from torch._dynamo.variables import TupleVariable
 from torch._dynamo.variables.builder import SourcelessBuilder
 from torch._dynamo.variables.lists import BaseListVariable
 
-from hop import _output_checks
+from hop import _output_checks, _state
 from hop._unbacked import changed_dims, generic_carry, trial_run
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._dynamo_capture import (
@@ -285,6 +285,9 @@ def _fori_cond(upper: Any, i: Any, val: Any) -> Any:
 
 def _fori_body(body_fn: Callable[..., Any], i: Any, val: Any) -> Any:
     return i + 1, body_fn(i, val)
+
+
+_state.COUNTED_FRAMES[_fori_body.__name__] = "fori_loop"  # its capture's writes read as fori_loop's
 
 
 def _with_leading_sizes(tx: Any, fn: VT, n: int) -> VT:

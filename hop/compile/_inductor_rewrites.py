@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from hop.compile._inductor_in_place import write_carries_in_place
 from hop.errors import CompileUnsupported, HopValueError, format_message
 from hop.ops.associative_scan import associative_scan_dense, associative_scan_op
 from hop.ops.map import map_op
@@ -165,6 +166,8 @@ def _tensor_outputs(fn: Fn, name: str, node: torch.fx.Node, inputs: Sequence[Any
         return tuple(
             _as_traced(name, v, meta, inputs)
             if isinstance(v, torch.Tensor)
+            else v
+            if v is None  # a branch that returns nothing (only writes state)
             else torch.full((), v, dtype=torch.int64, device="cpu")
             for v, meta in zip(_as_tuple(fn(*args)), metas, strict=True)
         )
@@ -304,6 +307,9 @@ def rewrite_scan(
     additional: Sequence[Any],
     reverse: bool,
 ) -> Any:
+    if isinstance(body, torch.fx.GraphModule):  # Note [a written carry is written in place]
+        written = write_carries_in_place(body, len(init))
+        init = [x.clone() if k in written else x for k, x in enumerate(init)]
     carry, ys = _scan_loop("scan", body, init, xs, additional, reverse, _outputs(node)[len(init) :], inputs)
     return _like_node(node, [*carry, *ys])
 

@@ -170,6 +170,7 @@ PRIVATE: tuple[Private, ...] = (
         "hop.compile.inductor and hop.compile._inductor_rewrites",
         "torch._inductor.lowering.lowerings",
         "torch._inductor.lowering.register_lowering",
+        "torch._inductor.lowering.clone",
         "torch._inductor.config.post_grad_custom_pre_pass",
         "torch._inductor.config.use_post_grad_passes",
         "torch._inductor.config._config",

@@ -77,6 +77,7 @@ from hop.compile import (
 )
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._hooks import on_import
+from hop.compile._inductor_in_place import write_carries_in_place
 from hop.errors import HopRuntimeError, format_message
 from hop.ops.cond import cond_op
 from hop.ops.while_loop import while_loop_op
@@ -234,6 +235,14 @@ def _lower_while(
         # block: the condition must define symbols of its own.
         cond_fn.graph_module = _retrace(cond_fn.graph_module)
         _bind_item_symbols(cond_fn.graph_module)
+    written = write_carries_in_place(body_fn.graph_module, len(carried_inputs))
+    if written:  # Note [a written carry is written in place]
+        from torch._inductor import ir
+        from torch._inductor.lowering import clone
+
+        carried_inputs = [
+            clone(c) if k in written and isinstance(c, ir.TensorBox) else c for k, c in enumerate(carried_inputs)
+        ]
     carried_inputs = _traced_strides(carried_inputs, node.args[2])
     additional_inputs = _simplest_sizes(node, 3, additional_inputs)
     additional_inputs = _traced_strides(additional_inputs, node.args[3])

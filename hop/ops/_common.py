@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch._C._functorch import TransformType, _add_batch_dim
 
-from hop import _effects, _lifting, _observe, _observe_calls, _output_checks, _reference, _tracing, _transforms
+from hop import _effects, _lifting, _observe, _observe_calls, _output_checks, _reference, _state, _tracing, _transforms
 from hop._unbacked import assert_ranges, recording
 from hop.errors import CompileUnsupported, MutationError, format_message
 
@@ -179,7 +179,7 @@ def check_effects(
     if effects.mutated:
         k = effects.mutated[0]
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        name = _effects.name_in(fn, placeholders[k].meta.get("val")) if k < len(placeholders) else None
+        name = _output_checks.name_in(fn, placeholders[k].meta.get("val")) if k < len(placeholders) else None
         if name is None:
             what_is_written, why, fix = f"{what} {k}", f"in-place updates of {updates}", fix
         else:
@@ -231,6 +231,19 @@ def trace_callables(
     """Trace each callable on ``examples`` (lifting what they close over: the second
     result) and refuse those that write their inputs (all, or where ``checked`` says)."""
     graphs, lifted = _lifting.trace_branches(fns, examples)
+    written = []
+    for role, fn, gm in zip(roles, fns, graphs, strict=True):
+        effects = _effects.find_mutations_and_aliases(gm)
+        if effects.mutated:
+            vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+            written.append(_state.Written(role, fn, effects.mutated, effects.aliased, dict(enumerate(vals))))
+    if written and _state.catching():  # Note [state inside control flow]
+        try:
+            w, gm = written[0], graphs[roles.index(written[0].role)]
+            check_effects(op, w.role, w.fn, gm, what=writes.what, updates=writes.updates, fix=writes.fix)
+        except MutationError as refusal:
+            n = len(list(graphs[0].graph.find_nodes(op="placeholder"))) - len(lifted)
+            raise _state.StateWrites(op, written, list(lifted), refusal, n) from None
     for i, (role, fn, gm) in enumerate(zip(roles, fns, graphs, strict=True)):
         if checked is None or checked[i]:
             check_effects(op, role, fn, gm, what=writes.what, updates=writes.updates, fix=writes.fix)

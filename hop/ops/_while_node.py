@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hop import _transforms
+from hop import _state, _transforms
 from hop import subgraph as _subgraph
 from hop._unbacked import unrecorded_symbols
 from hop.ops import _loop_reverse
@@ -139,7 +139,15 @@ def as_node(
     """One autograd node for the raw op ``op``; what the functions close over and need
     grad for becomes additional inputs (Note [closure conversion] in hop._closures)."""
     (cond_fn, body_fn), captured = _subgraph.convert_closures([cond_fn, body_fn], [*carried, *additional], level)
+    n_c, n_a = len(carried), len(additional)
     additional = (*additional, *captured)
     apply: Callable[..., Any] = _LoopFunction.apply
-    out = apply(op, cond_fn, body_fn, len(carried), checkpoint, *carried, *additional)[1:]
+    try:
+        out = apply(op, cond_fn, body_fn, n_c, checkpoint, *carried, *additional)[1:]
+    except _state.StateWrites as writes:  # placeholders: the trip counter, the carries, additional, captured
+
+        def where(i: int) -> int | torch.Tensor:
+            return i - 1 if i <= n_c + n_a else captured[i - 1 - n_c - n_a]
+
+        raise writes.reindexed(n_c + n_a, where, outputs_first=1) from None
     return out[0] if len(out) == 1 else out

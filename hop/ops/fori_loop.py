@@ -127,6 +127,7 @@ def _counted_body(body_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], An
         return i + 1, out
 
     counted.__wrapped__ = body_fn  # type: ignore[attr-defined]  # errors name the user's body
+    counted.__hop_counted__ = _NAME  # type: ignore[attr-defined]  # and its carries (hop._state)
     return counted
 
 

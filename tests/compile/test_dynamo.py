@@ -281,10 +281,6 @@ def checkpointed(x: torch.Tensor) -> Any:
     return hop.while_loop(lambda c: c.sum() < 10, lambda c: (c + 1,), (x,), checkpoint=True)[0] * 2
 
 
-def writes_its_operand(x: torch.Tensor) -> Any:
-    return hop.cond(x.sum() > 0, lambda a: a.add_(1), lambda a: a - 1, (x,)) * 2
-
-
 def branches_on_data(x: torch.Tensor) -> Any:
     return hop.cond(x.sum() > 0, lambda a: a + 1 if a.max() > 0.5 else a - 1, lambda a: a, (x,)) * 2
 
@@ -294,11 +290,6 @@ UNSUPPORTED = [
         checkpointed,
         "hop.while_loop: checkpoint=True (reverse mode with bounded memory) runs in eager but torch.compile "
         "cannot capture it. Leave checkpoint out under torch.compile, or call this loop outside the compiled function.",
-    ),
-    (
-        writes_its_operand,
-        "hop.cond: true_fn writing one of its inputs in place runs in eager but torch.compile cannot capture it. "
-        "Return the new value from true_fn instead of writing the input.",
     ),
     (branches_on_data, "hop.cond: true_fn, which Dynamo cannot trace into one graph ("),
 ]

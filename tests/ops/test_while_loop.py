@@ -428,10 +428,24 @@ def test_condition_must_be_one_bool() -> None:
         hop.while_loop(lambda v: v > 0, lambda v: v + 1, (torch.ones(2),))
 
 
-def test_traced_in_place_update_of_a_carry_is_refused() -> None:
+def test_traced_in_place_update_of_a_carry_writes_it_as_python_does() -> None:
     def bump(v: torch.Tensor) -> tuple[torch.Tensor]:
         v.add_(1)
         return (v,)
+
+    want = torch.zeros(2)
+    out = hop.while_loop(lambda a: a.sum() < 4, bump, (want,))
+    gm = make_fx(lambda v: hop.while_loop(lambda a: a.sum() < 4, bump, (v,)))(torch.zeros(2))
+    v = torch.zeros(2)
+    torch.testing.assert_close(gm(v), out)
+    torch.testing.assert_close(v, want)  # the initial carry was written, as in Python
+    assert v.tolist() == [2.0, 2.0]
+
+
+def test_a_carry_written_then_replaced_is_refused_when_traced() -> None:
+    def bump(v: torch.Tensor) -> tuple[torch.Tensor]:
+        v.add_(1)
+        return (v * 1,)
 
     with pytest.raises(MutationError, match=r"hop.while_loop: body_fn \(.*bump.*\) writes carry 0 in place"):
         make_fx(lambda v: hop.while_loop(lambda a: a.sum() < 4, bump, (v,)))(torch.zeros(2))
