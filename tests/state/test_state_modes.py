@@ -187,10 +187,12 @@ def test_make_fx(name: str, tracing_mode: str) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("decompose", [False, True], ids=["training_ir", "decomposed"])
-def test_export(name: str, decompose: bool) -> None:
+@pytest.mark.parametrize(
+    ("decompose", "strict"), [(False, False), (True, False), (True, True)], ids=["training_ir", "decomposed", "strict"]
+)
+def test_export(name: str, decompose: bool, strict: bool) -> None:
     def run(m: torch.nn.Module, x: torch.Tensor) -> Any:
-        ep = torch.export.export(m, (x,))
+        ep = torch.export.export(m, (x,), strict=strict)
         if decompose:
             ep = ep.run_decompositions()
         buf = io.BytesIO()
