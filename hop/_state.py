@@ -102,7 +102,7 @@ class StateWrites(Exception):
             to = where(i)
             if isinstance(to, torch.Tensor):
                 lifted.append(to)
-                moved[i] = n_explicit + len(self.lifted) + len(lifted) - len(self.lifted) - 1
+                moved[i] = n_explicit + len(lifted) - 1
             else:
                 moved[i] = to
         written = [
@@ -169,7 +169,6 @@ class _Plan:
     carries: set[int] = dataclasses.field(default_factory=set)  # carries written and returned
     inputs: list[int] = dataclasses.field(default_factory=list)  # positions in the layout's inputs
     closed: list[torch.Tensor] = dataclasses.field(default_factory=list)  # closed-over tensors
-    writers: set[int] = dataclasses.field(default_factory=set)  # subgraphs (in role order) that write
 
 
 def rewrite(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], writes: StateWrites) -> Any:
@@ -213,9 +212,8 @@ def rewrite(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], writes: Stat
         n_c = len(carries)
         final_state = flat[n_c : n_c + n_state]
         result = [*flat[:n_c], *flat[n_c + n_state :]]
-        with torch.no_grad() if not torch.is_grad_enabled() else _nullcontext():
-            for k in sorted(plan.carries):
-                carries[k].copy_(result[k])
+        for k in sorted(plan.carries):
+            carries[k].copy_(result[k])
         _write_back(state, final_state)
         if not isinstance(out, (tuple, list)) or (len(result) == 1 and layout.xs is None):
             return result[0]
@@ -232,14 +230,6 @@ def rewrite(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], writes: Stat
     kind, nones = kinds[0]
     leaves = [None if none else next(kept) for none in nones]
     return leaves[0] if kind is None else kind(leaves)  # the branches' own form: a raw op's is flat
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _kept_copy(t: torch.Tensor) -> torch.Tensor:
@@ -272,7 +262,6 @@ def _plan(
     for w in writes.written:
         k = roles.index(w.role) if w.role in roles else None
         p = positions[k] if k is not None else None
-        plan.writers.add(k if k is not None else -1)
         for i in w.mutated:
             if p is not None and p == layout.condition:
                 raise _refused(writes, w, "a loop's condition runs before every step and must not write", i)
