@@ -52,7 +52,18 @@ def _ring(x: torch.Tensor) -> torch.Tensor:
     return (b * torch.arange(12.0).reshape(4, 3)).sum() + y.sum() + buf.sum()
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+_TORCH_214_SAVED_INPUT = pytest.mark.xfail(
+    _VERSION == (2, 14),
+    strict=True,
+    raises=RuntimeError,
+    reason="torch 2.14's Inductor removes the copy of a written buffer that the operator's backward saves "
+    "(its no-op passes), so the saved tensor is the buffer, which the write-back then changes: autograd's "
+    "'modified by an inplace operation'. A loud error, never a wrong value; 2.13 and 2.15 keep the copy",
+)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", pytest.param("inductor", marks=_TORCH_214_SAVED_INPUT)])
 def test_gradients_flow_through_written_buffers(backend: str) -> None:
     xs = torch.arange(12.0).reshape(4, 3)
     ref = Trained()
