@@ -385,6 +385,8 @@ def functionalize_rule(
         )
         layout = spec.layout
         n = sum(len(args[p]) for p in (layout.carries, layout.xs, layout.inputs) if p is not None)
+        if not _state.catching():  # called past hop's dispatcher: no frame above can rewrite it
+            raise refusal
         raise _state.StateWrites(spec.name, _first_per_role(sink), [], refusal, n)
     return ctx.wrap_tensors(out)
 

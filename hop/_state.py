@@ -49,7 +49,7 @@ import torch
 
 from hop import _closures, _spec
 from hop._fake_run import referents
-from hop._output_checks import describe_fn, name_in
+from hop._output_checks import describe_fn, name_in, storage_id
 from hop.errors import MutationError, format_message
 
 __all__ = ["StateWrites", "Written", "catching", "entry", "rewrite", "user_code"]
@@ -188,6 +188,8 @@ def rewrite(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], writes: Stat
     n_state = len(state)
     slots: dict[int, list[Any]] = {}
     reached = _closures.closure_tensors(fns, slots=slots)
+    written = [*(carries[k] for k in sorted(plan.carries)), *state]
+    _refuse_shared_memory(writes, written, [*carries, *xs, *inputs], reached)
     # an autograd node keeps what it is given for its backward: give it copies of what is
     # written back, or the write-back would change a saved tensor
     if torch.is_grad_enabled() and any(
@@ -230,6 +232,32 @@ def rewrite(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], writes: Stat
     kind, nones = kinds[0]
     leaves = [None if none else next(kept) for none in nones]
     return leaves[0] if kind is None else kind(leaves)  # the branches' own form: a raw op's is flat
+
+
+def _refuse_shared_memory(
+    writes: StateWrites, written: Sequence[torch.Tensor], passed: Sequence[Any], reached: Sequence[torch.Tensor]
+) -> None:
+    """A written tensor that the call can also read another way (an operand the branch
+    also closes over, a view of a buffer it reads) would be two tensors once its writes
+    are made pure: each would miss the other's writes, silently. Refused."""
+    entries = [*(t for t in passed if isinstance(t, torch.Tensor)), *reached]  # each way in, once
+    for w in written:
+        if sum(_shares_memory(w, e) for e in entries) > 1:
+            raise _refused(
+                writes,
+                None,
+                "that tensor shares memory with another one the call receives or reads (an operand it also "
+                "closes over, a view of a buffer it reads), and the two would be separate values once traced",
+                fix="Pass the tensor once: as an operand or carry, or read it only through the closure.",
+            )
+
+
+def _shares_memory(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    sa = storage_id(_inner(a) if _inner(a) is not None else a)
+    sb = storage_id(_inner(b) if _inner(b) is not None else b)
+    return sa is not None and sa == sb
 
 
 def _kept_copy(t: torch.Tensor) -> torch.Tensor:
