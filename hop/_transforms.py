@@ -28,6 +28,7 @@ __all__ = [
     "is_real",
     "is_concrete",
     "unwrap_batched",
+    "batched_inside",
     "add_batch_dims",
     "is_plain_tensor",
     "mode_stack_len",
@@ -49,6 +50,16 @@ tf_mode_enabled = torch._C._is_torch_function_mode_enabled
 is_included = torch._C._dispatch_tls_is_dispatch_key_included
 functorch_level = _functorch_level
 PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+
+
+def batched_inside(x: Any) -> bool:
+    """Whether a BatchedTensor is among the functorch wrappers of ``x`` (under
+    ``vmap(grad(f))`` a grad wrapper holds it)."""
+    while isinstance(x, torch.Tensor) and _is_wrapped(x):
+        if _is_batched(x):
+            return True
+        x = torch._C._functorch.get_unwrapped(x)
+    return False
 
 
 def is_plain_tensor(x: Any) -> bool:

@@ -39,7 +39,7 @@ from torch._dynamo.variables.lists import BaseListVariable
 from torch._dynamo.variables.tensor import SymNodeVariable
 
 from hop import _effects, _observe
-from hop._transforms import DYNAMO_CALL
+from hop._transforms import DYNAMO_CALL, batched_inside
 from hop.compile._dynamo_errors import hop_errors_break_graph, unsupported, untraceable
 from hop.compile._dynamo_values import (
     BATCHED_EXAMPLE,
@@ -227,14 +227,15 @@ def _speculate(tx: Any, op: Any, role: str, fn: VT, args: Sequence[VT], flat_out
 
 
 def _unbatch_placeholders(graph: torch.fx.Graph) -> None:
-    """Under vmap a placeholder's example value is a BatchedTensor, from which Dynamo's
-    runtime-assert pass cannot read a symbolic size (no batching rule for sym_size):
-    keep the tensor under the batch wrappers, whose sizes include the batch's. The
-    batched value stays as ``BATCHED_EXAMPLE``: a callable that returns its input as it
-    is returns that placeholder, which hop's checks read as the user sees it."""
+    """Under vmap a placeholder's example value is a BatchedTensor (under ``vmap(grad)``, a
+    grad wrapper of one), from which Dynamo's runtime-assert pass cannot read a symbolic
+    size (no batching rule for sym_size): keep the tensor under the wrappers, whose sizes
+    include the batch's. The wrapped value stays as ``BATCHED_EXAMPLE``: a callable that
+    returns its input as it is returns that placeholder, which hop's checks read as the
+    user sees it."""
     for node in graph.find_nodes(op="placeholder"):
         value = node.meta.get("example_value")
-        if isinstance(value, torch.Tensor) and torch._C._functorch.is_batchedtensor(value):
+        if batched_inside(value):
             node.meta[BATCHED_EXAMPLE] = value
             while torch._C._functorch.is_functorch_wrapped_tensor(value):
                 value = torch._C._functorch.get_unwrapped(value)

@@ -261,7 +261,8 @@ def _select_batched(branching: Branching, sel: Any, branches: Sequence[Fn], oper
     masks = [m.reshape(()) for m in branching.masks(sel, n)]
     copies = [[x.clone() if isinstance(x, torch.Tensor) else x for x in operands] for _ in branches]
     versions = [[_version(x) for x in c] for c in copies]
-    raw = [fn(*c) for fn, c in zip(branches, copies, strict=True)]
+    with _internal_symbols(operands):
+        raw = [fn(*c) for fn, c in zip(branches, copies, strict=True)]
     for i, x in enumerate(operands):
         written = [k for k in range(n) if _version(copies[k][i]) != versions[k][i]]
         if written:
@@ -279,6 +280,16 @@ def _select_batched(branching: Branching, sel: Any, branches: Sequence[Fn], oper
         else:
             selected.append(_where_chain(masks, col))
     return same_form(raw[0], selected)
+
+
+def _internal_symbols(operands: Sequence[Any]) -> Any:
+    """Where a trace has a ShapeEnv (torch.compile's fake run of the call), the unbacked
+    symbols the branches make and do not return (a nested loop's counter read with
+    .item()) are the call's own: not symbols its output must bind."""
+    fake_mode = torch._guards.detect_fake_mode(list(_pytree.flatten(tuple(operands))[0]))
+    if fake_mode is None or fake_mode.shape_env is None:
+        return nullcontext()
+    return fake_mode.shape_env.ignore_fresh_unbacked_symbols()
 
 
 def _version(x: Any) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from hop import _output_checks, _validation
 from hop._pytree import flatten_dropping_none, leaf_paths_dropping_none, structure_str
@@ -303,9 +304,10 @@ def _empty_loop_error(looping: Names, what: str, fix: str, path: str | None = No
 
 def check_static(looping: Names, fn: Fn, ys: Sequence[Any], paths: Sequence[str]) -> None:
     """The ``ys`` of a loop of length 0, run once on fake tensors: their sizes must not
-    depend on data, since no step gives them (and torch.empty cannot take a symbol)."""
+    depend on data, since no step gives them (and torch.empty cannot take an unbacked
+    symbol). A size traced symbolically from the inputs' (``dynamic=True``) is known."""
     for path, y in zip(paths, ys, strict=True):
-        if not all(type(s) is int for s in y.shape):
+        if any(free_unbacked_symbols(s) for s in y.shape if isinstance(s, torch.SymInt)):
             raise _empty_loop_error(
                 looping,
                 f"{looping.role} ({_output_checks.describe_fn(fn)}) returns {path} of a data-dependent shape "

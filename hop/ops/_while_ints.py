@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from hop import subgraph as _subgraph
+from hop._transforms import batched_inside
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, trial_run
 from hop.errors import HopError, HopValueError, format_message
 from hop.ops._branching import as_tuple
@@ -37,6 +38,7 @@ def ints_as_tensors(
     them SymInts."""
     n, slots = len(carried), [i for i, c in enumerate(carried) if type(c) is int]
     refuse_batched(carried, additional)
+    _refuse_differentiated(carried, additional)
 
     def as_ints(args: Sequence[Any]) -> list[Any]:
         return [a.item() if i in slots else a for i, a in enumerate(args)]
@@ -76,7 +78,7 @@ def refuse_batched(carried: Sequence[Any], additional: Sequence[Any]) -> None:
     of them fails inside vmap. Strict export refuses when Dynamo captures the loop,
     before its graph's vmap has entered a level that an error would leave behind."""
     if any(type(c) is int or isinstance(c, torch.SymInt) for c in carried) and any(
-        _is_batched(t) for t in (*carried, *additional)
+        batched_inside(t) for t in (*carried, *additional)
     ):
         raise HopValueError(
             format_message(
@@ -88,12 +90,25 @@ def refuse_batched(carried: Sequence[Any], additional: Sequence[Any]) -> None:
         )
 
 
-def _is_batched(t: Any) -> bool:
-    while isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
-        if torch._C._functorch.is_batchedtensor(t):
-            return True
-        t = torch._C._functorch.get_unwrapped(t)
-    return False
+def _refuse_differentiated(carried: Sequence[Any], additional: Sequence[Any]) -> None:
+    """Int carries under ``torch.func.jvp`` (or ``grad``) inside an exported function
+    cannot be exported: export's pre-dispatch trace meets the transform's wrapped
+    tensors here, and the 0-dim tensors the ints travel as, made under the transform,
+    are wrappers its tracer never sees, recorded as constants (the loop ran a wrong
+    number of steps, silently)."""
+    if any(
+        isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t)
+        for t in (*carried, *additional)
+    ):
+        raise HopValueError(
+            format_message(
+                NAME,
+                "under torch.func.jvp inside an exported function, loops carry tensors only "
+                "(an int carry or Python-int fori_loop bounds)",
+                fix="Pass fori_loop tensor bounds (torch.tensor(n)), or carry the counter as a tensor.",
+            ),
+            op=NAME,
+        )
 
 
 # Note [int carries in a traced condition]

@@ -76,7 +76,7 @@ def run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any
         pred = truth(cond_fn(*carry, *additional))
         if type(pred) is not bool:  # Note [the legacy ONNX exporter]
             refuse_legacy_onnx(NAME, _TRIPS)
-        if type(pred) is bool or not _is_batched(pred):
+        if type(pred) is bool or not _transforms.batched_inside(pred):
             if not pred:
                 return carry
             carry = as_tuple(body_fn(*carry, *additional))
@@ -118,14 +118,6 @@ def run_graphs(
 
 def _contiguous(values: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in values)
-
-
-def _is_batched(t: torch.Tensor) -> bool:
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        if torch._C._functorch.is_batchedtensor(t):
-            return True
-        t = torch._C._functorch.get_unwrapped(t)
-    return False
 
 
 def _any_batch_element(pred: torch.Tensor) -> bool:

@@ -35,6 +35,7 @@ TRANSFORMS = (
     "vmap_grad",
     "grad_vmap",
     "vmap_jvp",
+    "jvp_vmap",
     "fake",
     "make_fx_fake",
     "make_fx_symbolic",
@@ -49,6 +50,7 @@ COMPILED = (
     "compile_compositions",
     "export_strict",
     "export_vmap",
+    "export_compositions",
     "aoti",
     "onnx",
     "deploy_vmap",
@@ -92,6 +94,7 @@ VMAPPED = (
     "vmap_grad",
     "grad_vmap",
     "vmap_jvp",
+    "jvp_vmap",
     "compile_inductor_vmap",
     "compile_compositions",
     "export_vmap",
@@ -104,7 +107,7 @@ VMAPPED = (
 # long profiles: 7e-6 relative for vmap_grad of a scan squaring a matmul, 1.6e-6 for
 # Inductor's scan of squares growing to 1e6). float64 keeps the defaults, where such
 # an order costs ~1e-15. A check given rtol/atol uses those.
-REORDERED = (*VMAPPED, "compile_inductor", "compile_inductor_static", "aoti")
+REORDERED = (*VMAPPED, "compile_inductor", "compile_inductor_static", "aoti", "export_compositions")
 _REORDERED_TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
 # Documented limitations of hop (see the operator pages) and of torch: when the
@@ -142,6 +145,23 @@ LIMITATIONS: list[tuple[str, type[BaseException], str, str]] = [
         )
     ),
 ]
+
+LIMITATIONS.append(
+    (
+        "export_compositions",
+        HopValueError,
+        r"under torch.func.jvp inside an exported function, loops carry tensors only",
+        "an int carry in an exported loop under jvp",
+    )
+)
+LIMITATIONS.append(  # a tensor read from outside the function, under strict export's jvp
+    (
+        "export_compositions",
+        RuntimeError,
+        r"^Cannot access data pointer of Tensor that doesn't have storage",
+        "torch's strict export of a jvp cannot read a tensor the function closes over (a plain program neither)",
+    )
+)
 
 # What the compiled paths refuse with a clear error, by design (docs/compile.md, "Limits"):
 # a refusal is not a wrong result, so the transform does not apply.

@@ -21,10 +21,11 @@ from hop.testing._compiled_checks import (
     check_compile_compositions,
     check_compile_vmap,
     check_deploy_vmap,
+    check_export_compositions,
     check_export_strict,
     check_export_vmap,
 )
-from hop.testing._composition_checks import check_grad_vmap, check_vmap_grad, check_vmap_jvp
+from hop.testing._composition_checks import check_grad_vmap, check_jvp_vmap, check_vmap_grad, check_vmap_jvp
 from hop.testing._deployment_checks import check_aoti, check_onnx
 from hop.testing._transform_checks import (
     check_autograd,
@@ -79,7 +80,8 @@ def check(
             of every tensor input, against a Python loop of the reference);
             ``vmap_grad`` / ``grad_vmap`` (the gradient of those copies taken
             inside the vmap, per example, and outside it, as a batch is trained:
-            each row's equals the reference's on that row); ``vmap_jvp``;
+            each row's equals the reference's on that row); ``vmap_jvp`` /
+            ``jvp_vmap`` (forward mode inside the vmap, and outside it);
             ``fake`` (output metadata under ``FakeTensorMode``, unbacked sizes
             within their ranges); ``make_fx_fake`` / ``make_fx_symbolic`` (the
             graph runs and matches on ``args`` and on perturbed copies);
@@ -90,10 +92,13 @@ def check(
             ``compile_aot_eager`` / ``compile_inductor`` (``torch.compile(fullgraph=True,
             dynamic=True)``), ``compile_inductor_static`` (``dynamic=False``),
             ``compile_inductor_vmap`` (the vmapped program compiled, forward and the
-            gradient outside the vmap), ``compile_compositions`` (``vmap(grad)`` and
-            ``vmap`` of a ``jvp``, compiled with aot_eager, per row),
+            gradient outside the vmap), ``compile_compositions`` (``vmap_grad``,
+            ``grad_vmap``, ``vmap_jvp``, ``jvp_vmap`` and ``jvp``, each compiled with
+            aot_eager and with Inductor, dynamic and static, per row),
             ``export_strict`` (``torch.export.export(strict=True)``), ``export_vmap``
-            (the vmapped program exported, strict and not, saved and loaded), ``aoti``
+            (the vmapped program exported, strict and not, saved and loaded),
+            ``export_compositions`` (the ``jvp`` exported strict and not, saved and
+            loaded, and as an AOTInductor package in a fresh process), ``aoti``
             (an AOTInductor package of the exported program, run in a fresh process
             without hop; forward only), ``onnx`` (``torch.onnx.export(dynamo=True)``,
             the file run in onnxruntime; forward only), ``deploy_vmap`` (the vmapped
@@ -213,6 +218,7 @@ _CHECKS: dict[str, Callable[[CheckCase], None]] = {
     "vmap_grad": check_vmap_grad,
     "grad_vmap": check_grad_vmap,
     "vmap_jvp": check_vmap_jvp,
+    "jvp_vmap": check_jvp_vmap,
     "fake": check_fake,
     "make_fx_fake": lambda case: check_make_fx(case, "fake"),
     "make_fx_symbolic": lambda case: check_make_fx(case, "symbolic"),
@@ -224,6 +230,7 @@ _CHECKS: dict[str, Callable[[CheckCase], None]] = {
     "compile_compositions": check_compile_compositions,
     "export_strict": check_export_strict,
     "export_vmap": check_export_vmap,
+    "export_compositions": check_export_compositions,
     "aoti": check_aoti,
     "onnx": check_onnx,
     "deploy_vmap": check_deploy_vmap,

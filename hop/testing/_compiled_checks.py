@@ -28,9 +28,10 @@ from hop.testing._case import (
     roundtrip,
     running,
 )
-from hop.testing._composition_checks import compile_compositions, compile_vmap
+from hop.testing._composition_checks import compile_compositions, compile_vmap, export_compositions
 from hop.testing._deployment_checks import check_deploy_vmap as deploy_vmap
 from hop.testing._deployment_checks import check_export_vmap as export_vmap
+from hop.testing._deployment_checks import in_fresh_process
 
 
 def _check_forward_and_grads(case: CheckCase, transform: str, program: Fn, grads: bool = True) -> None:
@@ -101,3 +102,7 @@ def check_deploy_vmap(case: CheckCase) -> None:
 
 def check_compile_compositions(case: CheckCase) -> None:
     compile_compositions(case, _traceable_program(case))
+
+
+def check_export_compositions(case: CheckCase) -> None:
+    export_compositions(case, _traceable_program(case), in_fresh_process)

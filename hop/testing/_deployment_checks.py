@@ -70,7 +70,7 @@ def check_deploy_vmap(case: CheckCase, traceable: Any) -> None:
     paths = [f"output {k}" for k in range(len(want))]
     with running("deploy_vmap"):
         ep = torch.export.export(module, tuple(stacked))
-        (got,) = _in_fresh_process(ep, [list(stacked)])
+        (got,) = in_fresh_process(ep, [list(stacked)])
     compare_tensors(case, "deploy_vmap", list(got), want, paths)
     session = _onnx_session(module, list(stacked), "deploy_vmap")
     if session is not None:
@@ -95,12 +95,12 @@ def check_aoti(case: CheckCase) -> None:
     pairs = list(inputs_and_wants(case))
     with running("aoti"):
         ep = torch.export.export(ProgramModule(on, case.fn), tuple(pick(case.args)))
-        outputs = _in_fresh_process(ep, [pick(args) for args, _ in pairs])
+        outputs = in_fresh_process(ep, [pick(args) for args, _ in pairs])
     for got, (_, want) in zip(outputs, pairs, strict=True):
         compare(case, "aoti", as_reference(got, want), want)
 
 
-def _in_fresh_process(ep: torch.export.ExportedProgram, inputs: list[list[torch.Tensor]]) -> list[Any]:
+def in_fresh_process(ep: torch.export.ExportedProgram, inputs: list[list[torch.Tensor]]) -> list[Any]:
     """``ep`` as an AOTInductor package, run on each of ``inputs`` in a fresh interpreter."""
     with tempfile.TemporaryDirectory() as tmp:
         package = torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp}/program.pt2")

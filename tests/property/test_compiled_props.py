@@ -50,7 +50,17 @@ def run(cases: Sequence[st.Case], transforms: Sequence[str]) -> None:
 @compiled_examples(0.04)
 @given(bundles(6))
 def test_compiled_programs_equal_eager(cases: list[st.Case]) -> None:
-    run(cases, ("compile_aot_eager", "compile_inductor", "compile_inductor_vmap", "export_strict", "export_vmap"))
+    run(
+        cases,
+        (
+            "compile_aot_eager",
+            "compile_inductor",
+            "compile_inductor_vmap",
+            "export_strict",
+            "export_vmap",
+            "export_compositions",
+        ),
+    )
 
 
 @compiled_examples(0.04)
