@@ -164,7 +164,8 @@ class WhileLoopVariable(HopVariable):
         leaves, spec = flatten(tx, TupleVariable(list(carried)))
         values = [example(leaf) for leaf in leaves]
         if tx.export:
-            _while_ints.refuse_batched(values, [example(a) for a in additional])
+            name = "while_loop" if fns[0] is not None else "fori_loop"
+            _while_ints.refuse_batched(values, [example(a) for a in additional], name)
         py_spec = python_spec(spec)
         varying = [set() if isinstance(v, torch.Tensor) else {0} for v in values]
         on_tensors = False  # Note [int carries in a traced condition] (hop.ops._while_ints)

@@ -37,8 +37,9 @@ def ints_as_tensors(
     exported node cannot mix ints and tensors in one list); inside, ``.item()`` makes
     them SymInts."""
     n, slots = len(carried), [i for i, c in enumerate(carried) if type(c) is int]
-    refuse_batched(carried, additional)
-    _refuse_differentiated(carried, additional)
+    name = _public_name(body_fn)
+    refuse_batched(carried, additional, name)
+    _refuse_differentiated(carried, additional, name)
 
     def as_ints(args: Sequence[Any]) -> list[Any]:
         return [a.item() if i in slots else a for i, a in enumerate(args)]
@@ -71,7 +72,18 @@ def ints_as_tensors(
     return result[0] if n == 1 else tuple(result)
 
 
-def refuse_batched(carried: Sequence[Any], additional: Sequence[Any]) -> None:
+def _public_name(body_fn: Fn) -> str:
+    """The function the user called: ``fori_loop`` for its counted body, else ``while_loop``."""
+    fn: Any = body_fn
+    while fn is not None:
+        name = getattr(fn, "__hop_counted__", None)
+        if isinstance(name, str):
+            return name
+        fn = getattr(fn, "__wrapped__", None)
+    return NAME
+
+
+def refuse_batched(carried: Sequence[Any], additional: Sequence[Any], name: str = NAME) -> None:
     """Int carries under vmap cannot be exported. Only export's pre-dispatch trace meets
     vmap's batched tensors here (elsewhere vmap's rule runs first and keeps int carries
     ints): as tensors the ints would be batched with the carries, and the body's .item()
@@ -82,15 +94,15 @@ def refuse_batched(carried: Sequence[Any], additional: Sequence[Any]) -> None:
     ):
         raise HopValueError(
             format_message(
-                NAME,
+                name,
                 "under vmap, exported loops carry tensors only (an int carry or Python-int fori_loop bounds)",
                 fix="Pass fori_loop tensor bounds (torch.tensor(n)), or carry the counter as a tensor.",
             ),
-            op=NAME,
+            op=name,
         )
 
 
-def _refuse_differentiated(carried: Sequence[Any], additional: Sequence[Any]) -> None:
+def _refuse_differentiated(carried: Sequence[Any], additional: Sequence[Any], name: str) -> None:
     """Int carries under ``torch.func.jvp`` (or ``grad``) inside an exported function
     cannot be exported: export's pre-dispatch trace meets the transform's wrapped
     tensors here, and the 0-dim tensors the ints travel as, made under the transform,
@@ -102,12 +114,12 @@ def _refuse_differentiated(carried: Sequence[Any], additional: Sequence[Any]) ->
     ):
         raise HopValueError(
             format_message(
-                NAME,
+                name,
                 "under torch.func.jvp inside an exported function, loops carry tensors only "
                 "(an int carry or Python-int fori_loop bounds)",
                 fix="Pass fori_loop tensor bounds (torch.tensor(n)), or carry the counter as a tensor.",
             ),
-            op=NAME,
+            op=name,
         )
 
 

@@ -79,12 +79,14 @@ def check_deploy_vmap(case: CheckCase, traceable: Any) -> None:
         compare_tensors(case, "deploy_vmap", got, want, paths)
 
 
-# Runs in a fresh interpreter in which hop cannot be imported: what a deployed package has.
+# Runs in a fresh interpreter in which hop (and the modules named after the paths)
+# cannot be imported: what a deployed package has.
 _LOAD = """
 import sys
-sys.modules["hop"] = None
+package, inputs, outputs, *hidden = sys.argv[1:]
+for name in hidden:
+    sys.modules[name] = None
 import torch
-package, inputs, outputs = sys.argv[1:]
 program = torch._inductor.aoti_load_package(package)
 torch.save([program(*xs) for xs in torch.load(inputs)], outputs)
 """
@@ -100,13 +102,16 @@ def check_aoti(case: CheckCase) -> None:
         compare(case, "aoti", as_reference(got, want), want)
 
 
-def in_fresh_process(ep: torch.export.ExportedProgram, inputs: list[list[torch.Tensor]]) -> list[Any]:
-    """``ep`` as an AOTInductor package, run on each of ``inputs`` in a fresh interpreter."""
+def in_fresh_process(
+    ep: torch.export.ExportedProgram, inputs: list[list[torch.Tensor]], hide: tuple[str, ...] = ("hop",)
+) -> list[Any]:
+    """``ep`` as an AOTInductor package, run on each of ``inputs`` in a fresh interpreter
+    in which the modules ``hide`` names cannot be imported."""
     with tempfile.TemporaryDirectory() as tmp:
         package = torch._inductor.aoti_compile_and_package(ep, package_path=f"{tmp}/program.pt2")
         torch.save(inputs, f"{tmp}/inputs.pt")
         run = subprocess.run(
-            [sys.executable, "-c", _LOAD, package, f"{tmp}/inputs.pt", f"{tmp}/outputs.pt"],
+            [sys.executable, "-c", _LOAD, package, f"{tmp}/inputs.pt", f"{tmp}/outputs.pt", *hide],
             capture_output=True,
             text=True,
             cwd=tmp,

@@ -1,11 +1,10 @@
 """A transformers decoder generating greedily inside one hop.while_loop, its attention
 layers writing transformers' own StaticCache in place (docs/state.md), with the tokens
 of ``model.generate(do_sample=False)``: eager, export (run, compiled by Inductor,
-AOTInductor). The model is built from a small config with random weights."""
+AOTInductor in a fresh process). The model is built from a small config with random weights."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 import hop
 from hop.errors import CompileUnsupported
+from hop.testing._deployment_checks import in_fresh_process
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,10 +109,12 @@ def test_exported_program_compiles_with_inductor(decoder: tuple[Any, torch.Tenso
         _check(torch.compile(exported.module(), backend="inductor", fullgraph=True)(PROMPT), decoder[1])
 
 
-def test_aoti_package(decoder: tuple[Any, torch.Tensor], exported: Any, tmp_path: Path) -> None:
-    package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "generate.pt2"))
-    with torch.no_grad():
-        _check(torch._inductor.aoti_load_package(package)(PROMPT), decoder[1])
+def test_aoti_package_in_a_fresh_process(decoder: tuple[Any, torch.Tensor], exported: Any) -> None:
+    """The package runs where neither hop nor transformers can be imported, as a server
+    runs it; twice, each call from a fresh cache."""
+    first, second = in_fresh_process(exported, [[PROMPT], [PROMPT]], hide=("hop", "transformers"))
+    _check(first, decoder[1])
+    _check(second, decoder[1])
 
 
 def test_compiling_the_module_names_the_kernels_wrapper(decoder: tuple[Any, torch.Tensor]) -> None:

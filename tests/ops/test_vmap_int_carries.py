@@ -100,7 +100,9 @@ class Batched(torch.nn.Module):
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_export_refuses_int_carries_under_vmap_and_takes_tensor_bounds(strict: bool) -> None:
-    with pytest.raises(HopValueError, match=r"exported loops carry tensors only.*tensor bounds"):
+    with pytest.raises(
+        HopValueError, match=r"^hop.fori_loop: under vmap, exported loops carry tensors only.*tensor bounds"
+    ):
         torch.export.export(Batched(decayed), (XS,), strict=strict)
 
     def tensor_bounds(x: torch.Tensor) -> torch.Tensor:
