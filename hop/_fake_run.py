@@ -106,6 +106,40 @@ def _user_function_modes_aside() -> Iterator[None]:
 # its batch dimension.
 
 
+def traced_mode(leaves: Sequence[Any]) -> FakeTensorMode | None:
+    """The fake mode of a trace whose ``leaves`` have symbolic sizes (torch.compile's
+    dynamic shapes), or None. An empty loop's outputs are shaped by a run of its body
+    in that mode (:func:`in_traced_mode`): static copies in a fresh mode would bake the
+    sizes in, and symbolic ones there hold symbols that mode cannot reason about."""
+    from torch.fx.experimental.symbolic_shapes import has_free_symbols
+
+    tensors = [x for x in leaves if isinstance(x, _Tensor)]
+    if not any(has_free_symbols(x.shape) for x in tensors):
+        return None
+    mode = torch._guards.detect_fake_mode(tensors)
+    return mode if mode is not None and mode.shape_env is not None else None
+
+
+@contextlib.contextmanager
+def in_traced_mode(mode: FakeTensorMode) -> Iterator[None]:
+    """A run of a callable in the trace's fake ``mode`` that records nothing (its proxy
+    tracers set aside; functionalization, which the traced values need, stays), with
+    the real tensors it closes over as fakes."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is mode
+    no_pre_dispatch = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.PreDispatch))
+    with (
+        disable_proxy_modes_tracing(),
+        no_pre_dispatch,
+        contextlib.nullcontext() if active else mode,
+        _isolated(),
+        _no_module_hooks(),
+        _FakeClosures(mode),
+    ):
+        yield
+
+
 def _to_fake(mode: FakeTensorMode, x: _Tensor) -> _Tensor:
     if not _is_wrapped(x):
         return mode.from_tensor(x, static_shapes=True)

@@ -449,11 +449,13 @@ def _is_dense(t: torch.Tensor) -> bool:
     def expr(v: Any) -> Any:
         return v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(v)
 
-    expected = sympy.Integer(1)
+    expected: Any = sympy.Integer(1)
     for size, stride in reversed(list(zip(map(expr, t.shape), map(expr, t.stride()), strict=True))):
         if sympy.expand(stride - expected) != 0:
             return False
-        expected = expected * size
+        # torch's contiguous strides step over a size-0 dim as over a size-1 one: an
+        # empty (n, 0, 0) is (1, 1, 1), and a stride-0 one is copied
+        expected = expected * (sympy.Integer(1) if size == 0 else size)
     return True
 
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from hop import _output_checks, _validation
+from hop import _fake_run, _output_checks, _validation
 from hop._pytree import flatten_dropping_none, leaf_paths_dropping_none, structure_str
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops import _common
@@ -270,7 +270,16 @@ def _ys_fail(looping: Names, what: str, path: str, fix: str) -> HopValueError:
 
 
 def on_fake(looping: Names, fn: Fn, leaves: Sequence[Any], make: Callable[[list[Any]], Any]) -> Any:
-    """``make(fake leaves)`` on static fake copies of ``leaves``: the output metadata of an empty loop."""
+    """``make(fake leaves)`` on static fake copies of ``leaves``: the output metadata of an
+    empty loop. Traced with symbolic sizes, on ``leaves`` themselves in the trace's own
+    fake mode, recording nothing, so that the sizes stay the trace's symbols."""
+    traced = _fake_run.traced_mode(leaves)
+    if traced is not None:
+        with _fake_run.in_traced_mode(traced):
+            try:
+                return make(list(leaves))
+            except _validation.CANNOT_FAKE as e:
+                raise _no_empty_metadata(looping, fn, e) from e
     with _validation.fake_inputs(leaves) as fake:
         try:
             _validation.check_hooks(fn)

@@ -129,7 +129,11 @@ def _compositions(outputs: Fn, s: Fn, batch: _Batch) -> dict[str, tuple[Fn, list
         "grad_vmap": (grad_vmap, batch.stacked),
         "vmap_jvp": (torch.vmap(_tangents_of(outputs, floats, batch.tangents)), batch.stacked),
         "jvp_vmap": (_tangents_of(torch.vmap(outputs), floats, batch.batched_tangents), batch.stacked),
-        "jvp": (_tangents_of(outputs, floats, batch.tangents), batch.row_leaves[0]),
+        # torch.compile cannot trace torch.func.jvp of a primal that is not contiguous
+        # (dynamic shapes; an expanded one even static), in a plain program either
+        # ("Cannot call storage_offset() on tensor with symbolic sizes"): the row is
+        # given contiguous; the other paths check the layouts
+        "jvp": (_tangents_of(outputs, floats, batch.tangents), [x.contiguous() for x in batch.row_leaves[0]]),
     }
 
 

@@ -205,3 +205,31 @@ def test_torch_compiles_a_batched_gradient_of_index_select_by_a_factory_index() 
     torch._dynamo.reset()
     got = torch.compile(program, backend="inductor", fullgraph=True)(xs, ys)
     torch.testing.assert_close(got, program(xs, ys))
+
+
+def test_a_loop_over_an_empty_batch_laid_out_by_vmap_compiles_with_inductor() -> None:
+    # an empty (n, 0, 0) carry of stride (0, 0, 1) counted as contiguous in hop's
+    # rewrite of map into a loop; torch's contiguous strides are (1, 1, 1), which the
+    # loop's body returned, and torch's while_loop refused the mismatch
+    def program(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        start = hop.map(lambda r: r.reshape(-1).view(r.shape) + r, x) - y
+        return hop.while_loop(lambda i, a: i < 0, lambda i, a: (i + 1, y), (0, start))[1]
+
+    x = hop.testing.strategies.with_layout(torch.zeros(0, 0), "channels_last")
+    report = hop.testing.check(program, x, torch.zeros(0, 0), transforms=("eager", "compile_inductor_vmap"))
+    assert report.ran == ["eager", "compile_inductor_vmap"]
+
+
+def test_compiled_vmap_of_jvp_of_an_associative_scan_over_one_element_with_dynamic_shapes() -> None:
+    # the jvp's scan over the remaining 0 elements shaped its empty output by a run on
+    # fake copies in a fresh mode, holding the trace's symbols that mode cannot reason
+    # about ("vr must not be None for symbol s87"); it runs in the trace's own mode now
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return hop.associative_scan(lambda p, q: torch.where(p <= q, p, q), a, dim=0, reverse=True)
+
+    gen = torch.Generator().manual_seed(0)
+    xs, t = torch.randn(3, 1, 2, 4, generator=gen), torch.randn(1, 2, 4, generator=gen)
+    program = torch.vmap(lambda a: torch.func.jvp(f, (a,), (t,))[1])
+    torch._dynamo.reset()
+    got = torch.compile(program, backend="aot_eager", fullgraph=True, dynamic=True)(xs)
+    torch.testing.assert_close(got, program(xs))
