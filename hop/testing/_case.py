@@ -163,6 +163,19 @@ LIMITATIONS.append(  # a tensor read from outside the function, under strict exp
     )
 )
 
+# torch's Inductor cannot compile vmap of a 0-dim tensor plus a SymFloat (``a + 0.1 * k``
+# with ``k`` read by ``.item()``: a fori_loop's int counter), in a plain program either
+# (tests/compile/test_compiled_compositions.py keeps watch on it)
+LIMITATIONS += [
+    (
+        name,
+        Exception,
+        r"x must be Tensor or scalar, got SymFloat",
+        "torch's Inductor: vmap of a 0-dim tensor plus a SymFloat",
+    )
+    for name in ("compile_inductor_vmap", "compile_compositions")
+]
+
 # What the compiled paths refuse with a clear error, by design (docs/compile.md, "Limits"):
 # a refusal is not a wrong result, so the transform does not apply.
 LIMITATIONS += [

@@ -233,3 +233,20 @@ def test_compiled_vmap_of_jvp_of_an_associative_scan_over_one_element_with_dynam
     torch._dynamo.reset()
     got = torch.compile(program, backend="aot_eager", fullgraph=True, dynamic=True)(xs)
     torch.testing.assert_close(got, program(xs))
+
+
+@pytest.mark.xfail(
+    reason="torch's Inductor (2.13-2.15) cannot compile vmap of a 0-dim tensor plus a SymFloat, with no hop "
+    "operator: hop.testing skips compile_inductor_vmap and compile_compositions where it meets it (a "
+    "fori_loop's int counter in a vmapped body, `a + 0.1 * i`)",
+    strict=True,
+)
+def test_torch_compiles_vmap_of_a_scalar_tensor_plus_a_symfloat() -> None:
+    def f(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        k = n.item()
+        return torch.vmap(lambda a: a + 0.1 * k)(x)
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got = torch.compile(f, backend="inductor", fullgraph=True, dynamic=True)(torch.ones(3), torch.tensor(2))
+    torch.testing.assert_close(got, f(torch.ones(3), torch.tensor(2)))
