@@ -521,6 +521,47 @@ def chain(passes: Any) -> list[Any]:
     return [POST_GRAD_PASS, *listed]
 
 
+# Note [a subgraph's outputs are distinct buffers]
+# A branch or loop body that returns one value twice (the gradients of ``x + a`` with
+# respect to both, one tensor; a carry returned as two) hands out one buffer as two
+# outputs: Inductor's cond and while_loop pass a subgraph's outputs by reference. The
+# parent graph takes them for two buffers and may write one in place (``g + 2 * y``
+# accumulated into the gradient of ``a``), and the other changes with it: the
+# gradient of ``x`` came out as ``y``'s, silently. torch's own cond never returns
+# such a pair (its backward clones them). So every output of hop's subgraphs that
+# shares storage with an earlier one is cloned before lowering.
+
+
+def _distinct_outputs(gm: Any) -> None:
+    """Note [a subgraph's outputs are distinct buffers], in ``gm`` and the subgraphs it holds."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if not isinstance(gm, torch.fx.GraphModule):
+        return
+    for child in gm.children():
+        _distinct_outputs(child)
+    out = gm.graph.output_node()
+    values = out.args[0]
+    flat = list(values) if isinstance(values, (tuple, list)) else [values]
+    seen: set[Any] = set()
+    changed = False
+    for k, value in enumerate(flat):
+        val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        storage = StorageWeakRef(val.untyped_storage())  # type: ignore[no-untyped-call]
+        if storage in seen:
+            with gm.graph.inserting_before(out):
+                copy = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
+            copy.meta["val"] = val.clone()
+            flat[k], changed = copy, True
+        else:
+            seen.add(storage)
+    if changed:
+        out.args = (type(values)(flat) if isinstance(values, (tuple, list)) else flat[0],)
+        gm.recompile()
+
+
 class PostGradPass:
     """Rewrites ``switch``, ``map``, ``scan`` and ``associative_scan`` nodes into
     torch's cond / while_loop and plain ops (a ``post_grad_custom_pre_pass``).
@@ -536,6 +577,11 @@ class PostGradPass:
         ]
         if ours:
             _no_donated_buffers()
+            root = graph.owning_module
+            for node in ours:
+                for arg in node.args:
+                    if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and root is not None:
+                        _distinct_outputs(getattr(root, str(arg.target)))
         for node in ours:
             if node.target is while_loop_op:
                 _check_fixed_carries(node)
