@@ -102,6 +102,9 @@ def _register(lowering: ModuleType) -> None:
     lowering.register_lowering(torch.ops.higher_order.while_loop, type_promotion_kind=None)(
         functools.partial(_lower_torch_while, torch_while)
     )
+    lowering.register_lowering(torch.ops.higher_order.cond, type_promotion_kind=None)(
+        functools.partial(_lower_torch_cond, torch_cond)
+    )
     for op in rw.REWRITES:
         lowering.register_lowering(op, type_promotion_kind=None)(_not_rewritten(op.name()))
     _install_pass()  # again: a pass set since the config loaded goes after hop's
@@ -271,6 +274,16 @@ def _lower_while(
 #   which the C++ wrapper wraps in a temporary owning handle at each use inside the
 #   loop: the first use frees it, the next reads freed memory (a segfault). Such an
 #   input is copied into a buffer of its own before the loop.
+
+
+def _lower_torch_cond(torch_cond: Fn, pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
+    """torch's lowering of its cond (the one hop's rewrites of switch make), with each
+    operand in the strides its branches were compiled for (Note [operands keep their
+    traced strides]): a ``r * 1.0`` of a map's transposed slice kept its transposed
+    layout and failed the branch's stride assert."""
+    from torch._inductor.virtualized import V
+
+    return torch_cond(pred, true_fn, false_fn, _traced_strides(operands, V.graph.current_node.args[-1]))
 
 
 def _lower_torch_while(torch_while: Fn, *args: Any, **kwargs: Any) -> Any:

@@ -499,3 +499,16 @@ def test_slices_of_two_dynamic_inputs(program: Any, want: Any) -> None:
     for n in (7, 2):
         a2, b2 = torch.randn(n, 3), torch.randn(n, 3)
         torch.testing.assert_close(compiled(a2, b2), want(a2, b2))
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_switch_in_a_map_body_over_transposed_slices(dynamic: bool) -> None:
+    # found by hop.testing's long profile: the switch's operand r * 1.0 kept the slice's
+    # transposed layout, and torch's cond (what a switch is rewritten into) passed it to
+    # branches compiled for contiguous operands: Inductor's stride assert failed
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return hop.map(lambda r: hop.switch((r.sum() > 0).long(), [lambda a: a, lambda a: a * 2], (r * 1.0,)), x)
+
+    x = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(0)).transpose(1, 2)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="inductor", fullgraph=True, dynamic=dynamic)(x), f(x))
