@@ -292,8 +292,8 @@ def _refuse_grad_level(op: Operator) -> None:
     operands are the transform's wrappers, which the tracer records as constants (the
     exported program returned FakeTensors). torch cannot export ``torch.func.grad``
     of a plain Python program either, so this is refused, naming the operator."""
-    interpreter = torch._C._functorch.peek_interpreter_stack()
-    if interpreter is not None and interpreter.key() == TransformType.Grad:
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    if any(interpreter.key() == TransformType.Grad for interpreter in stack):  # grad(vmap(f)) too
         raise HopRuntimeError(
             format_message(
                 op.name(),

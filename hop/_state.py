@@ -438,7 +438,7 @@ def _refused(
     if what is None:
         what = _name(writes, w, placeholder) if w is not None and placeholder is not None else "a tensor"
     op = writes.op
-    public = _counted_as(w.fn) if w is not None else None
+    public = counted_as(w.fn) if w is not None else None
     if public is not None:  # a public function's body behind a loop's, counting: the user's names
         op, what = public, re.sub(r"^carry (\d+)$", lambda m: f"val (leaf {int(m[1]) - 1})", what)
     return MutationError(
@@ -458,7 +458,7 @@ def _refused(
 COUNTED_FRAMES: dict[str, str] = {}
 
 
-def _counted_as(fn: Any) -> str | None:
+def counted_as(fn: Any) -> str | None:
     """The public function whose counted body ``fn`` is, or None."""
     seen = 0
     while seen < 16:

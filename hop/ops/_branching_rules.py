@@ -286,6 +286,8 @@ def _internal_symbols(operands: Sequence[Any]) -> Any:
     """Where a trace has a ShapeEnv (torch.compile's fake run of the call), the unbacked
     symbols the branches make and do not return (a nested loop's counter read with
     .item()) are the call's own: not symbols its output must bind."""
+    if not torch._C._len_torch_dispatch_stack():  # eager vmap: nothing traces
+        return nullcontext()
     fake_mode = torch._guards.detect_fake_mode(list(_pytree.flatten(tuple(operands))[0]))
     if fake_mode is None or fake_mode.shape_env is None:
         return nullcontext()

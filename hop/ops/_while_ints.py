@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from hop import subgraph as _subgraph
+from hop._state import counted_as
 from hop._transforms import batched_inside
 from hop._unbacked import assert_ranges, assume_range, carry_ranges, trial_run
 from hop.errors import HopError, HopValueError, format_message
@@ -37,7 +38,7 @@ def ints_as_tensors(
     exported node cannot mix ints and tensors in one list); inside, ``.item()`` makes
     them SymInts."""
     n, slots = len(carried), [i for i, c in enumerate(carried) if type(c) is int]
-    name = _public_name(body_fn)
+    name = counted_as(body_fn) or NAME  # the function the user called: fori_loop for its counted body
     refuse_batched(carried, additional, name)
     _refuse_differentiated(carried, additional, name)
 
@@ -70,17 +71,6 @@ def ints_as_tensors(
     fresh = [assume_range(r, *rng, size=False) for r, rng in zip(result, ranges, strict=True) if rng and _symbolic(r)]
     assert_ranges(mode, NAME, tuple(result), fresh, root="carry", why=DERIVED)
     return result[0] if n == 1 else tuple(result)
-
-
-def _public_name(body_fn: Fn) -> str:
-    """The function the user called: ``fori_loop`` for its counted body, else ``while_loop``."""
-    fn: Any = body_fn
-    while fn is not None:
-        name = getattr(fn, "__hop_counted__", None)
-        if isinstance(name, str):
-            return name
-        fn = getattr(fn, "__wrapped__", None)
-    return NAME
 
 
 def refuse_batched(carried: Sequence[Any], additional: Sequence[Any], name: str = NAME) -> None:

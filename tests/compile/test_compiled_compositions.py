@@ -119,6 +119,10 @@ def test_exported_grad_is_refused_with_what_to_do(name: str) -> None:
     with pytest.raises(HopRuntimeError, match=message):
         torch.export.export(Grad(PROGRAMS[name]), (x,))
     _no_transform_left()
+    # grad outside a vmap too (it was refused with a message about factory functions)
+    with pytest.raises(HopRuntimeError, match=message):
+        torch.export.export(_GradOfVmap(PROGRAMS[name]), (x[None].expand(2, 3).clone(),))
+    _no_transform_left()
     # the way it names: export without the transform, differentiate ep.module()
     ep = torch.export.export(_Forward(PROGRAMS[name]), (x,))
     got = torch.func.grad(lambda a: ep.module()(a).sum())(x)
@@ -250,3 +254,12 @@ def test_torch_compiles_vmap_of_a_scalar_tensor_plus_a_symfloat() -> None:
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         got = torch.compile(f, backend="inductor", fullgraph=True, dynamic=True)(torch.ones(3), torch.tensor(2))
     torch.testing.assert_close(got, f(torch.ones(3), torch.tensor(2)))
+
+
+class _GradOfVmap(torch.nn.Module):
+    def __init__(self, f: Program) -> None:
+        super().__init__()
+        self.f = f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.grad(lambda b: torch.vmap(self.f)(b).sum())(x)
