@@ -192,6 +192,30 @@ def trace_example(value: Any) -> Any:
     return unknown_value(value.new_empty(value.shape))
 
 
+def traced_layout(value: Any) -> Any:
+    """``value``, or for a tensor whose strides are not contiguous ones (transposed,
+    channels-last, a (n, 1) slice of stride (1, n)) a fresh contiguous one of its
+    metadata: what a traced body is run on for its output metadata.
+
+    Bodies are traced on contiguous values, and a traced body is run on contiguous
+    ones (Note [traced bodies see contiguous values] in hop.ops._looping): the graph
+    bakes the layout in (``reshape`` became ``view``, which another layout cannot
+    take). Size-1 dims with other strides count too: run on them, a body whose
+    branches return a carry beside a new tensor would give torch's cond (which
+    Inductor's rewrite of a switch or cond makes) branch outputs whose stride orders
+    differ, which it refuses."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not isinstance(value, torch.Tensor) or value.layout is not torch.strided or value.dim() == 0:
+        return value
+    expected: Any = 1
+    for size, stride in reversed(list(zip(value.shape, value.stride(), strict=True))):
+        if not statically_known_true(stride == expected):
+            return value.new_empty(value.shape)
+        expected = expected * size
+    return value
+
+
 def unknown_value(value: Any) -> Any:
     """``value``, or for a fake tensor whose value FakeTensorMode knows (a one-element
     literal's, such as a counter's ``torch.tensor(0)``, or what such a value propagated

@@ -401,7 +401,7 @@ def _fixpoint(
     tensor, ``{0}`` for an int)."""
     varying: list[set[int]] = [set() for _ in carried]
     # a literal's value is the first step's only; a layout the body was not traced on, not even that
-    carried = tuple(_plain_layout(_tracing.unknown_value(c)) for c in carried)
+    carried = tuple(_tracing.traced_layout(_tracing.unknown_value(c)) for c in carried)
     current, out = carried, carried
     for _ in range(8):
         ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else nullcontext()
@@ -463,29 +463,6 @@ def generic_carry(shape_env: ShapeEnv, c: Any, varying: set[int]) -> Any:
         return sym
 
     return _generalize(c, varying, placeholder)
-
-
-def _plain_layout(c: Any) -> Any:
-    """``c``, or for a contiguous tensor whose size-1 dims have other strides than
-    contiguous ones (a (n, 1) slice of stride (1, n)) a fresh one of contiguous strides.
-
-    The body graph was traced on contiguous carries, and such strides change no
-    element's place; but run on them, a body whose branches return a carry beside
-    a new tensor would give torch's cond (which Inductor's rewrite of a switch or
-    cond makes) branch outputs whose stride orders differ, which it refuses."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    if not isinstance(c, torch.Tensor) or c.dim() < 2:
-        return c
-    expected: Any = 1
-    dense, canonical = True, True
-    for size, stride in reversed(list(zip(c.shape, c.stride(), strict=True))):
-        if statically_known_true(size == 1):
-            canonical = canonical and statically_known_true(stride == expected)
-        else:
-            dense = dense and statically_known_true(stride == expected)
-        expected = expected * size
-    return c.new_empty(c.shape) if dense and not canonical else c
 
 
 def _generalize(c: Any, varying: set[int], make: Callable[[Any, int], Any]) -> Any:

@@ -36,6 +36,7 @@ from hop.compile._dynamo_capture import (
 )
 from hop.compile._dynamo_errors import as_graph_break, unsupported
 from hop.compile._dynamo_values import (
+    BATCHED_EXAMPLE,
     VT,
     Spec,
     callable_stand_in,
@@ -185,6 +186,9 @@ class WhileLoopVariable(HopVariable):
         _while_checks.truth(pytree.tree_unflatten([example(o) for o in cond.outputs], cond.out_spec()), fns[0])
         bare_single_output(cond.graph, tensors_only=False)
         lifted = share_lifted([cond, body])
+        if tx.export:  # a batched tensor the callables close over batches the loop too
+            closed = [p.node.meta.get(BATCHED_EXAMPLE, p.node.meta.get("example_value")) for p in lifted]
+            _while_ints.refuse_batched(values, closed, "while_loop" if fns[0] is not None else "fori_loop")
         graphs = (install(tx, "hop_while_loop_cond", cond.graph), install(tx, "hop_while_loop_body", body.graph))
         inits = tuple(leaf.as_proxy() for leaf in leaves)
         out = emit(tx, self.value, (*graphs, inits, (*proxies(additional), *lifted)))

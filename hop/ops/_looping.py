@@ -256,9 +256,10 @@ def fake(
     with mode:
         shape_env = mode.shape_env
         nc = len(init)
-        out, local = run_in_subgraph(
-            shape_env, lambda: as_tuple(body(*init, *empty_slices(xs, [0] * len(xs)), *additional))
-        )
+        values = [*init, *empty_slices(xs, [0] * len(xs))]
+        if isinstance(body, torch.fx.GraphModule):  # Note [traced bodies see contiguous values]
+            values = [_tracing.traced_layout(v) for v in values]
+        out, local = run_in_subgraph(shape_env, lambda: as_tuple(body(*values, *additional)))
         check_carry(looping, body, list(init), list(out[:nc]))
         if any(isinstance(s, torch.SymInt) and s.node.expr.free_symbols & local for y in out[nc:] for s in y.shape):
             _check_same_size_every_step(looping, body, init, xs, additional, len(out))

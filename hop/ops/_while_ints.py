@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from hop import _closures
 from hop import subgraph as _subgraph
 from hop._state import counted_as
 from hop._transforms import batched_inside
@@ -39,7 +40,7 @@ def ints_as_tensors(
     them SymInts."""
     n, slots = len(carried), [i for i, c in enumerate(carried) if type(c) is int]
     name = counted_as(body_fn) or NAME  # the function the user called: fori_loop for its counted body
-    refuse_batched(carried, additional, name)
+    refuse_batched(carried, (*additional, *_closures.closure_tensors([cond_fn, body_fn])), name)
     _refuse_differentiated(carried, additional, name)
 
     def as_ints(args: Sequence[Any]) -> list[Any]:
@@ -74,7 +75,8 @@ def ints_as_tensors(
 
 
 def refuse_batched(carried: Sequence[Any], additional: Sequence[Any], name: str = NAME) -> None:
-    """Int carries under vmap cannot be exported. Only export's pre-dispatch trace meets
+    """Int carries under vmap cannot be exported (``additional``: the loop's other
+    tensors, those its callables close over included). Only export's pre-dispatch trace meets
     vmap's batched tensors here (elsewhere vmap's rule runs first and keeps int carries
     ints): as tensors the ints would be batched with the carries, and the body's .item()
     of them fails inside vmap. Strict export refuses when Dynamo captures the loop,

@@ -132,8 +132,11 @@ def _compositions(outputs: Fn, s: Fn, batch: _Batch) -> dict[str, tuple[Fn, list
         # torch.compile cannot trace torch.func.jvp of a primal that is not contiguous
         # (dynamic shapes; an expanded one even static), in a plain program either
         # ("Cannot call storage_offset() on tensor with symbolic sizes"): the row is
-        # given contiguous; the other paths check the layouts
-        "jvp": (_tangents_of(outputs, floats, batch.tangents), [x.contiguous() for x in batch.row_leaves[0]]),
+        # given as a fresh contiguous copy (an offset counts too); the other paths check the layouts
+        "jvp": (
+            _tangents_of(outputs, floats, batch.tangents),
+            [x.clone(memory_format=torch.contiguous_format) for x in batch.row_leaves[0]],
+        ),
     }
 
 

@@ -110,3 +110,24 @@ def test_export_refuses_int_carries_under_vmap_and_takes_tensor_bounds(strict: b
 
     ep = torch.export.export(Batched(tensor_bounds), (XS,), strict=strict)
     torch.testing.assert_close(ep.module()(XS), per_element(python_decayed, XS))
+
+
+class BatchedClosure(torch.nn.Module):
+    """The loop's carry is unbatched; the tensor its body closes over is batched."""
+
+    def forward(self, x: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        def per(y: torch.Tensor) -> torch.Tensor:
+            return hop.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a + y), (0, x))[1]
+
+        return torch.vmap(per)(ys)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_refuses_int_carries_when_only_a_closed_over_tensor_is_batched(strict: bool) -> None:
+    """Non-strict export failed with vmap's own .item() message; strict export raised
+    inside the graph's vmap level and left it on functorch's stack, so that the next
+    strict export of any vmap failed."""
+    with pytest.raises(HopValueError, match=r"^hop.while_loop: under vmap, exported loops carry tensors only"):
+        torch.export.export(BatchedClosure(), (XS[0], XS), strict=strict)
+    ep = torch.export.export(Batched(lambda r: r * 2), (XS,), strict=strict)
+    torch.testing.assert_close(ep.module()(XS), XS * 2)

@@ -280,3 +280,18 @@ def test_inductor_values_in_float32_compare_within_its_rounding() -> None:
     y = torch.tensor([block]).expand(4, 4, 3)  # with_layout's "expanded": stride 0 along dim 0
     report = check(program, x, y, transforms=["eager", "compile_inductor"])
     assert report.ran == ["eager", "compile_inductor"]
+
+
+def test_a_traced_loop_body_runs_on_the_layout_it_was_traced_with() -> None:
+    """Found by the compiled long profile (layouts): a fori_loop body calling `reshape`
+    was traced on a contiguous carry (a `view`), and the fake rule ran that graph on the
+    channels-last initial carry: "Cannot view a tensor" under aot_eager and export."""
+    from hop.testing.strategies import with_layout
+
+    def program(x: torch.Tensor) -> Any:
+        return hop.fori_loop(0, 3, lambda i, t: t.reshape(1, -1).reshape(t.shape) * 0.5 + 1.0, x)
+
+    for layout in ("channels_last", "transposed"):
+        x = with_layout(torch.rand(2, 3, 4, 2, dtype=torch.float64), layout)
+        transforms = ["eager", "make_fx_symbolic", "export", "compile_aot_eager", "compile_inductor"]
+        assert check(program, x, transforms=transforms).ran == transforms
