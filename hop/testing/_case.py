@@ -185,7 +185,7 @@ LIMITATIONS += [
 
 
 def first_line(error: BaseException) -> str:
-    lines = str(error).splitlines()
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()  # without terminal colours
     return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
 
 

@@ -13,6 +13,7 @@ perturbed copy).
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -161,7 +162,7 @@ def _onnx_session(module: torch.nn.Module, args: list[torch.Tensor], transform: 
         try:
             program = torch.onnx.export(module, tuple(args), dynamo=True, verbose=False)
         except Exception as e:
-            _refuse_optimizer_bug(e)
+            _exporter_limits(e)
             raise
         assert program is not None
         return ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -171,17 +172,23 @@ def _onnx_session(module: torch.nn.Module, args: list[torch.Tensor], transform: 
 # a 0-dim value reshaped to a matrix (``t.reshape(1, -1) @ t.reshape(-1, 1)``), in a
 # plain program too: the rewrite rule indexes the last dim of a 0-dim shape.
 _OPTIMIZER_BUGS = {"_broadcast_to_matmul.py": "onnxscript's optimizer: a matmul of a 0-dim value reshaped"}
+# onnxscript has no translation of some aten ops (``amax`` over every dim): the node
+# the exporter names is torch's op, not hop's (hop's own are torch.ops.hop.*)
+_UNTRANSLATED = re.compile(r"Error when translating node %\S+ : .*target=torch\.ops\.(aten\.\w+\.\w+)")
 
 
-def _refuse_optimizer_bug(error: BaseException) -> None:
-    """Skip when ``error`` (or what it was raised from) comes from a known bug of
-    onnxscript's optimizer, not of the program."""
+def _exporter_limits(error: BaseException) -> None:
+    """Skip when ``error`` (or what it was raised from) is a limit of the exporter that
+    a plain program meets too, not one of the program."""
     seen: BaseException | None = error
     while seen is not None:
         frames = traceback.extract_tb(seen.__traceback__)
         for file, why in _OPTIMIZER_BUGS.items():
             if frames and Path(frames[-1].filename).name == file:
                 raise Skip(f"{why} (a plain program too)") from None
+        untranslated = _UNTRANSLATED.search(str(seen))
+        if untranslated:
+            raise Skip(f"onnxscript cannot translate {untranslated.group(1)} here (a plain program neither)") from None
         seen = seen.__cause__ or seen.__context__
 
 

@@ -102,10 +102,10 @@ UNARY: dict[str, tuple[Template, ...]] = {
     "indexing": (
         _T("(lambda t: t.reshape(-1)[torch.arange(t.numel() - 1, -1, -1)].reshape(t.shape))({})"),
         _T("(lambda t: t[..., :1].expand(t.shape) + t)({})", min_rank=1),
-        # the index made from t: torch 2.13's Inductor differentiates vmap(grad) of an
-        # index_select by a torch.zeros index wrongly, with no hop operator involved
-        # (tests/compile/test_compiled_compositions.py)
-        _T("(lambda t: t.index_select(0, t.new_zeros(t.shape[0], dtype=torch.long)) if t.shape[0] else t)({})", 1),
+        # rows repeated (0, 0, 1, 1, ...: the gradient accumulates); not a constant index,
+        # whose gradient torch 2.13's Inductor cannot vectorize (an assertion, torch's
+        # cond too: tests/compile/test_inductor_edges.py)
+        _T("(lambda t: t.index_select(0, torch.arange(t.shape[0]).div(2, rounding_mode='floor')))({})", 1),
     ),
     # plain tensors the program closes over (not inputs, parameters or buffers): CONSTANTS
     "constant": (

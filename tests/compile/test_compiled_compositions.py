@@ -190,27 +190,6 @@ def test_an_int_counted_loop_in_a_branch_a_batched_cond_selects(name: str, trans
     torch.testing.assert_close(got, program(x))
 
 
-@pytest.mark.xfail(
-    torch.__version__.startswith("2.13."),
-    reason="torch 2.13's Inductor: the y-gradient of vmap(grad) of an index_select by a torch.zeros index is "
-    "wrong (no hop operator involved; torch 2.15 is right): hop.testing's programs make the index with "
-    "t.new_zeros, which 2.13 differentiates right",
-    strict=True,
-)
-def test_torch_compiles_a_batched_gradient_of_index_select_by_a_factory_index() -> None:
-    def s(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return (
-            y.index_select(0, torch.zeros(y.shape[0], dtype=torch.long)) * x * torch.arange(8.0).reshape(2, 4)
-        ).sum()
-
-    gen = torch.Generator().manual_seed(0)
-    xs, ys = torch.randn(3, 2, 4, generator=gen), torch.randn(3, 2, 4, generator=gen)
-    program = torch.vmap(torch.func.grad(s, argnums=(0, 1)))
-    torch._dynamo.reset()
-    got = torch.compile(program, backend="inductor", fullgraph=True)(xs, ys)
-    torch.testing.assert_close(got, program(xs, ys))
-
-
 def test_a_loop_over_an_empty_batch_laid_out_by_vmap_compiles_with_inductor() -> None:
     # an empty (n, 0, 0) carry of stride (0, 0, 1) counted as contiguous in hop's
     # rewrite of map into a loop; torch's contiguous strides are (1, 1, 1), which the

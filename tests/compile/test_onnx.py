@@ -634,3 +634,15 @@ def test_hop_testing_skips_onnxscripts_optimizer_bug() -> None:
     report = check(program, torch.tensor(1.5), transforms=["eager", "onnx"])
     assert report.ran == ["eager"] and "onnxscript's optimizer" in report.skipped["onnx"]
     assert check(program, torch.ones(3), transforms=["eager", "onnx"]).ran == ["eager", "onnx"]
+
+
+def test_hop_testing_skips_what_the_exporter_cannot_translate_in_a_plain_program() -> None:
+    """onnxscript has no translation of ``amax`` over every dim (a plain program fails
+    alike): the node the exporter names is torch's op, not hop's."""
+    from hop.testing import check
+
+    def program(x: torch.Tensor) -> Any:
+        return hop.cond(x.sum() > 0, lambda t: t * t.reshape(-1).amax(), torch.sin, (x,))
+
+    report = check(program, torch.ones(3), transforms=["eager", "onnx"])
+    assert report.ran == ["eager"] and "cannot translate aten.amax.default" in report.skipped["onnx"]
