@@ -322,3 +322,20 @@ def test_bundle_runs_many_programs_as_one() -> None:
     assert len(args) == 3 and len(out) == 2
     torch.testing.assert_close(out[0], x.sin())
     torch.testing.assert_close(out[1], y + y)
+
+
+@pytest.mark.parametrize("layout", ["expanded", "transposed", "offset", "channels_last"])
+def test_perturbed_arguments_keep_their_layout(layout: str) -> None:
+    """Found by the deployed long profile: an AOTInductor package built on an expanded
+    argument reads every later input with stride 0 (torch checks no strides, in a plain
+    program too), and the perturbed copy was contiguous: a wrong value blamed on hop."""
+    from hop.testing._case import CheckCase, perturbed
+    from hop.testing.strategies import with_layout
+
+    x = with_layout(torch.randn(2, 3, 4, dtype=torch.float64), layout)
+    flag = with_layout(torch.rand(2, 3, 4) > 0.5, layout)
+    case = CheckCase(fn=torch.add, ref=torch.add, args=(x, flag), rtol=None, atol=None, batch_size=2, seed=0)
+    moved, flipped = perturbed(case, 1)
+    for new, old in ((moved, x), (flipped, flag)):
+        assert (new.stride(), new.storage_offset(), new.shape) == (old.stride(), old.storage_offset(), old.shape)
+    assert not torch.equal(moved, x) and torch.equal(flipped, ~flag)

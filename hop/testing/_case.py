@@ -261,7 +261,9 @@ def is_float(x: Any) -> bool:
 
 
 def perturbed(case: CheckCase, k: int) -> tuple[Any, ...]:
-    """Copy ``k`` of the arguments: float tensors moved by noise, bool tensors flipped (odd ``k``)."""
+    """Copy ``k`` of the arguments: float tensors moved by noise, bool tensors flipped (odd
+    ``k``), each laid out as the argument is (strides, offset, overlaps): a deployed
+    package takes its inputs in the layout it was built for, as AOTInductor's does."""
     if k == 0:
         return case.args
     gen = case.generator(k)
@@ -269,12 +271,26 @@ def perturbed(case: CheckCase, k: int) -> tuple[Any, ...]:
 
     def move(x: Any) -> Any:
         if is_float(x):
-            return x + 0.5 * torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device)
+            return laid_out_like(x, x + 0.5 * torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device))
         if isinstance(x, torch.Tensor) and x.dtype == torch.bool and k % 2:
-            return ~x
+            return laid_out_like(x, ~x)
         return x
 
     return tuple(unflatten([move(x) for x in leaves], spec))
+
+
+def laid_out_like(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in ``x``'s layout: its strides and offset in a storage of its size.
+    Where ``x`` overlaps (a stride 0), the overlapping elements take ``value``'s first."""
+    if x.layout is not torch.strided or x.is_sparse or x.numel() == 0:
+        return value
+    first = value
+    for d, (size, stride) in enumerate(zip(x.shape, x.stride(), strict=True)):
+        if stride == 0 and size > 1:
+            first = first.narrow(d, 0, 1)
+    base = torch.zeros(x.untyped_storage().nbytes() // x.element_size(), dtype=x.dtype, device=x.device)
+    base.as_strided(first.shape, x.stride(), x.storage_offset()).copy_(first)
+    return base.as_strided(x.shape, x.stride(), x.storage_offset()).requires_grad_(value.requires_grad)
 
 
 def on_leaves(fn: Fn, case: CheckCase, keep: Callable[[Any], bool]) -> tuple[Fn, list[Any]]:
