@@ -227,6 +227,27 @@ def _check_batched_index(index: torch.Tensor, n: int) -> None:
             torch._assert_async(~bad.any(), f"hop.switch: index out of range for {n} branches")
 
 
+# Note [a recorded range check runs under vmap]
+# A traced switch records its index check as ``_assert_async`` (hop's graphs and the
+# exported program keep it), and torch's vmap has no batching rule for it: a graph that
+# holds one and is run on a batch (a map body holding a switch, vmapped by map's rule or
+# run by an exported vmap) failed with "Batching rule not implemented". The rule below,
+# registered for every program once hop is imported, checks every element of the
+# batch, as switch's own vmap rule does for an index.
+
+
+def _assert_every_element(cond: torch.Tensor, msg: str) -> None:
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    raw = _unwrapped(cond)
+    with temporarily_clear_interpreter_stack():
+        torch._assert_async(raw.all(), msg)
+
+
+_BATCHED_ASSERT = torch.library.Library("aten", "IMPL")
+_BATCHED_ASSERT.impl("_assert_async.msg", _assert_every_element, "FuncTorchBatched")
+
+
 def _call(index: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
     return switch_op(index, tuple(operands), *branches)
 

@@ -88,3 +88,26 @@ def test_non_strict_vmap_of_scan_compiles_with_aotinductor(tmp_path: Any) -> Non
     loaded = torch._inductor.aoti_load_package(package)
     for other in (torch.randn(4, 5, 3), torch.randn(4, 11, 3)):
         torch.testing.assert_close(loaded(other), model(other))
+
+
+def _switch_in_a_map(x: torch.Tensor) -> Any:
+    return hop.map(lambda r: hop.switch((r.sum().abs() * 3).long() % 2, [lambda a: a * 2, lambda a: a - 1], (r,)), x)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_vmap_of_a_traced_switch_range_check(strict: bool) -> None:
+    """Note [a recorded range check runs under vmap]: the map body's graph holds the
+    switch's index check (``_assert_async``), which torch's vmap had no rule for."""
+    xs = torch.randn(3, 4, 2, generator=torch.Generator().manual_seed(0))
+    ep = _save_load(torch.export.export(Batched(_switch_in_a_map), (xs,), strict=strict))
+    torch.testing.assert_close(ep.module()(xs), torch.vmap(_switch_in_a_map)(xs))
+
+
+def test_a_batched_range_check_fails_for_any_element() -> None:
+    def check(i: torch.Tensor) -> torch.Tensor:
+        torch._assert_async((i >= 0) & (i < 2), "hop.switch: index out of range for 2 branches")
+        return i * 2
+
+    torch.testing.assert_close(torch.vmap(torch.vmap(check))(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.vmap(check)(torch.tensor([0.0, 1.0, 2.0]))
