@@ -244,8 +244,8 @@ def _assert_every_element(cond: torch.Tensor, msg: str) -> None:
         torch._assert_async(raw.all(), msg)
 
 
-_BATCHED_ASSERT = torch.library.Library("aten", "IMPL")
-_BATCHED_ASSERT.impl("_assert_async.msg", _assert_every_element, "FuncTorchBatched")
+_BATCHED_ASSERT = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
+_BATCHED_ASSERT.impl("_assert_async.msg", _assert_every_element, "FuncTorchBatched")  # type: ignore[no-untyped-call]
 
 
 def _call(index: Any, branches: Sequence[Fn], operands: Sequence[Any]) -> Any:
