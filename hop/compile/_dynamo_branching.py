@@ -121,7 +121,7 @@ class CondVariable(_BranchingVariable):
             if type(value) is bool or cond_module._is_numpy_bool(value):  # the branch just runs, as in eager
                 return (true_fn if value else false_fn).call_function(tx, items(tx, operands), {})
         value = example(pred)
-        cond_module._check_pred(value)
+        cond_module.check_pred(value)
         if isinstance(value, torch.Tensor) and value.dtype is not torch.bool:
             pred = method(tx, pred, "__ne__", 0)  # a number's truth, as hop.cond does
         return self.capture(tx, pred, [true_fn, false_fn], operands)
@@ -152,7 +152,7 @@ class SwitchVariable(_BranchingVariable):
 
     def select(self, tx: Any, index: VT, branches: list[VT], operands: VT) -> VT:
         value = example(index)
-        switch_module._check_index(value)
+        switch_module.check_index(value)
         if type(value) is int:  # a Python int: that branch just runs, as in eager
             fns = [callable_stand_in(tx, fn) for fn in branches]
             _check_call("switch", self.branching.roles(len(branches)), fns, operands)

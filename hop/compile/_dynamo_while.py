@@ -132,8 +132,8 @@ class WhileLoopVariable(HopVariable):
                 op="fori_loop",
                 role="body_fn",
             )
-        fori_module._check_bound("lower", example(lower))
-        fori_module._check_bound("upper", example(upper))
+        fori_module.check_bound("lower", example(lower))
+        fori_module.check_bound("upper", example(upper))
         leaves, _ = flatten(tx, init_val)
         fori_module._check_init_val(example_tree(tx, init_val), [example(leaf) for leaf in leaves])
         if upper.is_tensor() and not lower.is_tensor():  # the counter is a tensor when a bound is

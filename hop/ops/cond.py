@@ -110,7 +110,7 @@ def cond(
                 return out
     if _is_numpy_bool(pred):
         return cond(bool(pred), true_fn, false_fn, operands)
-    _check_pred(pred)
+    check_pred(pred)
     if isinstance(pred, torch.Tensor) and pred.dtype is not _BOOL:
         pred = pred != 0  # a number's truth, as a Python if (the graph then holds a bool pred)
     return _branching.call(COND, pred, (true_fn, false_fn), operands, taken=k if k >= 0 else None)
@@ -120,7 +120,8 @@ def _is_numpy_bool(pred: Any) -> bool:
     return type(pred).__module__ == "numpy" and type(pred).__name__ in ("bool", "bool_")
 
 
-def _check_pred(pred: Any) -> None:
+def check_pred(pred: Any) -> None:
+    """cond's check of ``pred`` (also run by its Dynamo handler, on the traced value)."""
     if isinstance(pred, (bool, torch.SymBool)):
         return
     if not isinstance(pred, torch.Tensor):
@@ -161,7 +162,7 @@ def _index(pred: Any, n: int) -> int:
     if type(pred) is not _Tensor or pred.dtype is not _BOOL or pred.numel() != 1:
         if _is_numpy_bool(pred):
             return 0 if pred else 1
-        _check_pred(pred)
+        check_pred(pred)
     return 0 if pred else 1  # a number tensor's truth, as a Python if
 
 

@@ -64,8 +64,8 @@ def fori_loop(
             format_message(_NAME, f"body_fn must be callable, got {type_name(body_fn)}"), op=_NAME, role="body_fn"
         )
     _output_checks.check_arity(_NAME, "body_fn", body_fn, 2, "(i, val)")
-    _check_bound("lower", lower)
-    _check_bound("upper", upper)
+    check_bound("lower", lower)
+    check_bound("upper", upper)
     leaves, spec = _subgraph.flatten(init_val)
     _check_init_val(init_val, leaves)
     if (
@@ -146,9 +146,10 @@ def _check_init_val(init_val: Any, leaves: list[Any]) -> None:
             )
 
 
-def _check_bound(role: str, bound: Any) -> None:
+def check_bound(role: str, bound: Any) -> None:
     """``lower`` / ``upper``: an int, a SymInt or a one-element integer tensor (checked
-    here, where fori_loop can name it, not as while_loop's internal condition)."""
+    here, where fori_loop can name it, not as while_loop's internal condition; also run
+    by its Dynamo handler, on the traced value)."""
     if isinstance(bound, torch.Tensor):
         dtype = bound.dtype
         if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:

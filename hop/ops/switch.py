@@ -109,7 +109,7 @@ def switch(
             op="switch",
             role="branches",
         )
-    _check_index(index)
+    check_index(index)
     if type(index) is int:  # a Python int: just run that branch, like cond's Python bool
         for role, fn in zip(SWITCH.roles(len(branches)), branches, strict=True):
             if not callable(fn):
@@ -122,7 +122,8 @@ def switch(
     return _branching.call(SWITCH, index, tuple(branches), operands, taken=taken)
 
 
-def _check_index(index: Any) -> None:
+def check_index(index: Any) -> None:
+    """switch's check of ``index`` (also run by its Dynamo handler, on the traced value)."""
     if isinstance(index, (int, torch.SymInt)) and not isinstance(index, bool):
         return
     if not isinstance(index, torch.Tensor):
@@ -178,7 +179,7 @@ switch_op = SwitchOp()
 
 
 def _index(index: Any, n: int) -> int:
-    _check_index(index)
+    check_index(index)
     i = int(index)
     if not 0 <= i < n:
         raise HopValueError(
