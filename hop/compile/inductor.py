@@ -202,6 +202,10 @@ def _traced_strides(values: Sequence[Any], traced: Any) -> list[Any]:
     out = list(values)
     for k, (value, node) in enumerate(zip(out, nodes, strict=False)):
         val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and isinstance(value, ir.Constant):
+            # a 0-dim tensor constant (an exported jvp's tangent) Inductor folded to a
+            # scalar, which torch's lowerings of cond and while_loop cannot take: a buffer
+            value = out[k] = ir.ExternKernel.realize_input(value)
         if isinstance(val, torch.Tensor) and isinstance(value, ir.IRNode):
             if isinstance(value, ir.TensorBox) and isinstance(value.data, ir.BaseView):
                 storage = value.unwrap_view()

@@ -103,7 +103,9 @@ class _LoopFunction(torch.autograd.Function):
             out, t_out = _transforms.jvp(
                 on_diff, (*[primal[i] for i in diff], *[ex[i] for i in d_extra]), (*tan, *ex_t)
             )
-            return (*out, *[t_out[i] for i in diff])
+            # torch's forward AD may give a 0-dim tangent a Python float took part in the
+            # default float64 dtype: a tangent carry keeps its dtype from step to step
+            return (*out, *[_as_dtype(t_out[i], tan[j]) for j, i in enumerate(diff)])
 
         with unrecorded_symbols([*t_carry, *t_extra]):  # an int carry, counted again, has no tangent
             res = as_tuple(ctx.op(jvp_cond, jvp_body, (*carried, *t_carry), (*extra, *t_extra)))
@@ -151,3 +153,9 @@ def as_node(
 
         raise writes.reindexed(n_c + n_a, where, outputs_first=1) from None
     return out[0] if len(out) == 1 else out
+
+
+def _as_dtype(tangent: Any, like: Any) -> Any:
+    if isinstance(tangent, torch.Tensor) and isinstance(like, torch.Tensor) and tangent.dtype != like.dtype:
+        return tangent.to(like.dtype)
+    return tangent

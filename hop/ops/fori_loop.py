@@ -83,8 +83,10 @@ def fori_loop(
         out, out_spec = _subgraph.flatten(val)
         return _subgraph.unflatten(_subgraph.clone_aliases(out, leaves), out_spec)
     if isinstance(upper, torch.Tensor) and not isinstance(lower, torch.Tensor):
-        # the counter may be batched; not torch.tensor: that is a constant in a traced body
-        lower = torch.zeros((), dtype=upper.dtype, device=upper.device) + lower
+        # the counter may be batched; not torch.tensor: that is a constant in a traced body;
+        # made from upper, not torch.zeros: under a transform inside torch.export, a factory's
+        # tensor is one the trace does not follow (exported as a fake constant, the loop wrong)
+        lower = upper.new_zeros(()) + lower
     try:
         _, val = while_loop(lambda i, v: i < upper, _counted_body(body_fn), (lower, init_val))
     except OutputMismatchError as e:

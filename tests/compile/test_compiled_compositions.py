@@ -15,6 +15,7 @@ what to do. Found by ``hop.testing``'s ``compile_compositions`` and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -242,3 +243,37 @@ class _GradOfVmap(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.func.grad(lambda b: torch.vmap(self.f)(b).sum())(x)
+
+
+class _JvpOfCountedLoop(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor) -> Any:
+        def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return hop.fori_loop(1, torch.tensor(4), lambda i, v: b * b + 0.1 * i, a)
+
+        return torch.func.jvp(f, (x, y), (tx, ty))
+
+
+def test_an_exported_jvp_of_a_fori_loop_with_a_tensor_bound_runs_its_steps() -> None:
+    """Found by the compiled long profile, silently wrong: fori_loop made its counter
+    with torch.zeros, which under jvp inside non-strict export is a tensor the trace does
+    not follow: exported as a fake constant, the loop ran no step (x and its tangent
+    came back as they went in). The counter is made from the bound now."""
+    args = (torch.tensor(1.5), torch.tensor(-0.15), torch.ones(()), torch.ones(()))
+    ep = torch.export.export(_JvpOfCountedLoop(), args, strict=False)
+    torch.testing.assert_close(ep.module()(*args), _JvpOfCountedLoop()(*args))
+
+
+def test_exported_jvps_of_loops_with_scalar_tangents_deploy() -> None:
+    """Found by the compiled long profile: the loop's tangent carry came back float64
+    from torch's forward AD (a Python float took part), refused as a dtype mismatch;
+    and a 0-dim tangent the exported program holds as a constant became an Inductor
+    scalar that torch's while_loop lowering cannot take (AOTInductor failed)."""
+
+    def program(x: torch.Tensor, y: torch.Tensor) -> Any:
+        inner = lambda i, a: hop.fori_loop(1, torch.tensor(4), lambda j, b: (y * y) + 0.1 * j, a * 0.5 + y)  # noqa: E731
+        return hop.fori_loop(2, torch.tensor(5), lambda i, a: inner(i, a) + 0.1 * i, x)
+
+    report = hop.testing.check(
+        program, torch.tensor(1.5), torch.tensor(-0.15), transforms=["eager", "export_compositions"]
+    )
+    assert report.ran == ["eager", "export_compositions"]
