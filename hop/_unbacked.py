@@ -271,7 +271,8 @@ def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
     for d in reversed(dims):
         if not (statically_known_true(shape[d] == 1) or statically_known_true(stride[d] == expected)):
             return None
-        expected = expected * shape[d]
+        # torch's contiguous strides step over a size-0 dim as over a size-1 one
+        expected = expected * (1 if statically_known_true(shape[d] == 0) else shape[d])
     return tuple(dims)
 
 

@@ -295,3 +295,18 @@ def test_a_traced_loop_body_runs_on_the_layout_it_was_traced_with() -> None:
         x = with_layout(torch.rand(2, 3, 4, 2, dtype=torch.float64), layout)
         transforms = ["eager", "make_fx_symbolic", "export", "compile_aot_eager", "compile_inductor"]
         assert check(program, x, transforms=transforms).ran == transforms
+
+
+def test_a_switch_branch_returning_an_expanded_empty_tensor_compiles() -> None:
+    """Found by the compiled long profile: an empty tensor of stride 0 (expanded) returned
+    by one branch beside a contiguous one from another was not made contiguous (the
+    contiguity check stepped over a size-0 dim as a 0, not as torch's 1), and Inductor's
+    cond refused branch outputs whose stride orders differ."""
+    from hop.testing.strategies import with_layout
+
+    def program(x: torch.Tensor, y: torch.Tensor) -> Any:
+        index = (x.reshape(-1)[:1].sum() > 0).long() + 1
+        return hop.switch(index % 3, [lambda a: a, lambda a: a * 2, lambda a: y], (hop.map(lambda r: r, x.sigmoid()),))
+
+    x, y = (with_layout(torch.zeros(3, 4, 0), "expanded") for _ in range(2))
+    assert check(program, x, y, transforms=["eager", "compile_inductor"]).ran == ["eager", "compile_inductor"]
