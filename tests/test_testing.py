@@ -335,7 +335,7 @@ def test_perturbed_arguments_keep_their_layout(layout: str) -> None:
     x = with_layout(torch.randn(2, 3, 4, dtype=torch.float64), layout)
     flag = with_layout(torch.rand(2, 3, 4) > 0.5, layout)
     case = CheckCase(fn=torch.add, ref=torch.add, args=(x, flag), rtol=None, atol=None, batch_size=2, seed=0)
-    moved, flipped = perturbed(case, 1)
+    moved, flipped = perturbed(case, 1, laid_out=True)
     for new, old in ((moved, x), (flipped, flag)):
         assert (new.stride(), new.storage_offset(), new.shape) == (old.stride(), old.storage_offset(), old.shape)
     assert not torch.equal(moved, x) and torch.equal(flipped, ~flag)

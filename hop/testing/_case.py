@@ -260,20 +260,23 @@ def is_float(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
-def perturbed(case: CheckCase, k: int) -> tuple[Any, ...]:
+def perturbed(case: CheckCase, k: int, *, laid_out: bool = False) -> tuple[Any, ...]:
     """Copy ``k`` of the arguments: float tensors moved by noise, bool tensors flipped (odd
-    ``k``), each laid out as the argument is (strides, offset, overlaps): a deployed
-    package takes its inputs in the layout it was built for, as AOTInductor's does."""
+    ``k``). With ``laid_out``, each is laid out as the argument is (strides, offset,
+    overlaps): an AOTInductor package takes its inputs in the layout it was built for.
+    Otherwise a copy is dense, so that a compiled program also meets another layout
+    on its second call."""
     if k == 0:
         return case.args
     gen = case.generator(k)
     leaves, spec = arg_leaves(case)
+    like = laid_out_like if laid_out else (lambda x, value: value)
 
     def move(x: Any) -> Any:
         if is_float(x):
-            return laid_out_like(x, x + 0.5 * torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device))
+            return like(x, x + 0.5 * torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device))
         if isinstance(x, torch.Tensor) and x.dtype == torch.bool and k % 2:
-            return laid_out_like(x, ~x)
+            return like(x, ~x)
         return x
 
     return tuple(unflatten([move(x) for x in leaves], spec))
@@ -354,10 +357,11 @@ def gradcheck_passes(fn: Fn, case: CheckCase) -> bool:
     return bool(torch.autograd.gradcheck(floats, inputs, raise_exception=False, check_undefined_grad=False))
 
 
-def inputs_and_wants(case: CheckCase) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """The arguments and one perturbed copy, each with the reference's output (when it has one)."""
+def inputs_and_wants(case: CheckCase, *, laid_out: bool = False) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """The arguments and one perturbed copy (``laid_out``: see :func:`perturbed`), each
+    with the reference's output (when it has one)."""
     yield case.args, case.want
-    args = perturbed(case, 1)
+    args = perturbed(case, 1, laid_out=laid_out)
     try:
         want = case.ref(*args)
     except Exception:

@@ -96,7 +96,7 @@ torch.save([program(*xs) for xs in torch.load(inputs)], outputs)
 
 def check_aoti(case: CheckCase) -> None:
     on, pick = flat_program(case)
-    pairs = list(inputs_and_wants(case))
+    pairs = list(inputs_and_wants(case, laid_out=True))  # the package's layout
     with running("aoti"):
         ep = torch.export.export(ProgramModule(on, case.fn), tuple(pick(case.args)))
         outputs = in_fresh_process(ep, [pick(args) for args, _ in pairs])
