@@ -40,6 +40,7 @@ sees the raw op as one call, as it sees any torch function.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, cast
 
@@ -77,7 +78,18 @@ class Operator(Protocol):
     def python_key_table(self) -> Any: ...
     @property
     def non_fallthrough_keys(self) -> DispatchKeySet: ...
+    @property
+    def _hop_decomposition(self) -> Derived | None: ...
     def name(self) -> str: ...
+
+
+class Derived(Protocol):
+    """The rules an operator defined by a decomposition derives from it, for every route
+    it has no rule of its own for (Note [an operator from its decomposition] in
+    ``hop._decomposed``)."""
+
+    def run(self, args: Any, kwargs: dict[str, Any]) -> Any: ...
+    def proxy(self, op: Any, mode: Any, args: Any, kwargs: dict[str, Any]) -> Any: ...
 
 
 _Tensor = torch.Tensor
@@ -277,6 +289,8 @@ def _pre_dispatch(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         _refuse_grad_level(op)
         _refuse_lost_tensors(op, mode, args)
         handler = _lookup(op.python_key_table, type(mode))
+        if handler is None and op._hop_decomposition is not None:
+            return _decomposed(op, op._hop_decomposition, mode, args, kwargs, _K.PreDispatch)
         if handler is None:
             raise _unsupported_mode(op, mode)
         _record(op, _K.PreDispatch, "mode", handler, type(mode).__name__)
@@ -341,6 +355,9 @@ def _functorch(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     interpreter = retrieve_current_functorch_interpreter()
     transform = interpreter.key()
     rule = op.functorch_table.get(transform)
+    if rule is None and op._hop_decomposition is not None:
+        _record(op, _K.FuncTorchDynamicLayerFrontMode, "decomposition", None, transform.name)
+        return op._hop_decomposition.run(args, kwargs)
     if rule is None:
         raise MissingRuleError(
             format_message(
@@ -416,7 +433,9 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 result = handler(popped, *args, **kwargs)
             if result is not NotImplemented:
                 return result
-        elif getattr(mode, "supports_higher_order_operators", False):
+        elif op._hop_decomposition is not None and not is_user_mode(mode) and not _receives_hops(mode):
+            return _decomposed(op, op._hop_decomposition, mode, args, kwargs, _K.Python)
+        elif _receives_hops(mode):
             _record(op, _K.Python, "mode.__torch_dispatch__", None, type(mode).__name__)
             with _pop_mode_temporarily() as popped:
                 result = popped.__torch_dispatch__(op, [], args, kwargs)
@@ -440,6 +459,10 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         else:
             handler = _lookup(op.python_key_table, cls)
             call_args = args
+        if handler is None and op._hop_decomposition is not None:
+            _record(op, _K.Python, "decomposition", None, cls.__qualname__)
+            with t.fake_mode if isinstance(t, FakeTensor) else contextlib.nullcontext():
+                return op._hop_decomposition.run(args, kwargs)
         if handler is None:
             raise MissingRuleError(
                 format_message(
@@ -455,6 +478,24 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if result is not NotImplemented:
             return result
     raise _all_not_implemented(op, mode, seen)
+
+
+def _receives_hops(mode: Any) -> bool:
+    return bool(getattr(mode, "supports_higher_order_operators", False))
+
+
+def _decomposed(op: Operator, derived: Derived, mode: Any, args: Any, kwargs: dict[str, Any], key: DispatchKey) -> Any:
+    """A tracing mode the operator has no rule for: make_fx's and torch.export's tracer
+    records one node of it, any other runs its decomposition under the mode."""
+    from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+
+    if not isinstance(mode, ProxyTorchDispatchMode):
+        _record(op, key, "decomposition", None, type(mode).__name__)
+        return derived.run(args, kwargs)
+    _record(op, key, "decomposition node", None, type(mode).__name__)
+    popping = _pop_mode_temporarily(key) if key == _PRE_DISPATCH else _pop_mode_temporarily()
+    with popping as popped, rewrites_reentered():
+        return derived.proxy(op, popped, args, kwargs)
 
 
 def _past_user_mode(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Any) -> Any:
@@ -546,6 +587,12 @@ def _kernel(op: Operator, key: DispatchKey, what: str = "kernel", target: str = 
         kernel = op.py_kernels.get(resolve_key(cast(torch._ops.OperatorBase, op), key))
     except NotImplementedError:
         kernel = None
+    if (kernel is None or isinstance(kernel, DispatchKey)) and op._hop_decomposition is not None:
+        derived = op._hop_decomposition
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            return derived.run(args, kwargs)
+
     if kernel is None or isinstance(kernel, DispatchKey):
         raise MissingRuleError(
             format_message(

@@ -19,7 +19,7 @@ import torch.fx
 from hop import _observe
 from hop._tracing import keeping_node_meta, object_val, per_element, trace_subgraph
 
-__all__ = ["distinct_inputs", "trace_branches"]
+__all__ = ["distinct_inputs", "trace_branches", "trace_each"]
 
 
 # Note [closure lifting]
@@ -49,8 +49,11 @@ class _LiftingTracker:
             self._inner[key] = value
         return default if value is None else value
 
-    def __getitem__(self, key: Any) -> Any:
-        return self._inner[key]
+    def __getitem__(self, key: Any) -> Any:  # torch's functionalization indexes the tracker directly
+        value = self.get(key)
+        if value is None:
+            raise KeyError(key)
+        return value
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._inner[key] = value
@@ -104,12 +107,20 @@ def trace_branches(
     that does not use a lifted value has an unused placeholder for it. See
     Note [closure lifting]. Outside make_fx nothing is lifted.
     """
+    return trace_each(fns, [args] * len(fns))
+
+
+def trace_each(
+    fns: Sequence[Callable[..., Any]], args: Sequence[Sequence[Any]]
+) -> tuple[list[torch.fx.GraphModule], list[Any]]:
+    """:func:`trace_branches` with arguments of its own for each callable: graph ``k``
+    takes ``(*args[k], *lifted)``."""
     from torch.fx.experimental import proxy_tensor
 
     outer = proxy_tensor._CURRENT_MAKE_FX_TRACER
     parent = outer.fx_tracer if outer is not None else None
     traced: list[tuple[torch.fx.GraphModule, list[Any], list[torch.fx.Node]]] = []
-    for fn in fns:
+    for fn, fn_args in zip(fns, args, strict=True):
         fn = keeping_node_meta(fn)
         lifted: list[Any] = []
         nodes: list[torch.fx.Node] = []
@@ -120,7 +131,7 @@ def trace_branches(
                 _install_lifting(current.fx_tracer, parent, lifted, nodes)
             return fn(*a)
 
-        gm = trace_subgraph(lifting, args)
+        gm = trace_subgraph(lifting, fn_args)
         if outer is not None:
             _lift_constants(gm, outer, lifted, nodes)
         traced.append((gm, lifted, nodes))

@@ -18,7 +18,7 @@ Kernels are registered with torch's spelling: ``op.py_impl(DispatchKey...)``,
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 import torch._ops
@@ -26,7 +26,7 @@ from torch._C import DispatchKey
 from torch._C._functorch import TransformType
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hop import _dispatch, _spec, _transforms
+from hop import _decomposed, _dispatch, _spec, _transforms
 from hop.errors import HopTypeError, HopValueError, UnknownOperatorError, format_message, not_a_sequence, type_name
 
 __all__ = ["HigherOrderOperator", "registered_ops"]
@@ -81,6 +81,13 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
 
     Args:
         name: a Python identifier; the op becomes ``torch.ops.hop.<name>``.
+        decomposition: a function of the operator's signature, written with torch ops
+            and hop's operators, that computes what the operator does. Every route the
+            operator has no rule for runs it at that level, so it gets eager, autograd,
+            grad/jvp, vmap, functionalization, fake tensors and torch.compile (which
+            inlines it) with no other rule; make_fx and torch.export record one node of
+            the operator, its callables traced into subgraphs (they must take tensors
+            and numbers). A rule you register overrides the derived one for its route.
             Creating a second op with the same name replaces the first in
             ``torch.ops.hop`` (as re-running a module that defines it would);
             the names of hop's own operators (``cond``, ``switch``, ...) are refused.
@@ -92,9 +99,9 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             name (``{3: "operands"}``): a call with anything else there raises
             ``HopTypeError`` instead of unpacking, say, a tensor's rows as operands.
 
-    Under ``torch.compile``, Dynamo breaks the graph at a call of an operator
-    that hop has no Dynamo handler for (every user-defined one) and runs it
-    eagerly through hop's dispatcher (see ``hop.compile.dynamo``).
+    Under ``torch.compile``, Dynamo inlines the decomposition of a user's operator;
+    at a call of one without a decomposition it breaks the graph and runs it eagerly
+    through hop's dispatcher (see ``hop.compile.dynamo``).
 
     Example::
 
@@ -105,7 +112,14 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             return fn(*tensors)
     """
 
-    def __init__(self, name: str, *, cacheable: bool = False, tuple_args: Mapping[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        decomposition: Callable[..., Any] | None = None,
+        cacheable: bool = False,
+        tuple_args: Mapping[int, str] | None = None,
+    ) -> None:
         if not isinstance(name, str) or not name.isidentifier():
             raise HopValueError(
                 format_message("HigherOrderOperator", f"name must be a Python identifier, got {name!r}"),
@@ -138,8 +152,23 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
         # hop's resolved-kernel cache per dispatch key; cleared on registration.
         self._hop_kernels: dict[DispatchKey, Callable[..., Any]] = {}
         self._tuple_args = tuple(sorted((tuple_args or {}).items()))
+        # Note [an operator from its decomposition]
+        self._hop_decomposition = None if decomposition is None else _decomposed.Decomposition(name, decomposition)
+        # the routes whose rule was derived from the decomposition: a registration replaces it
+        self._hop_derived_routes: set[Any] = set()
+        if self._hop_decomposition is not None:
+            self._derive_functionalize(self._hop_decomposition)
         _REGISTRY[name] = self
         _install_namespace()
+
+    def _derive_functionalize(self, derived: _decomposed.Decomposition) -> None:
+        from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+        def functionalize(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+            return derived.functionalize(self, ctx, args, kwargs)
+
+        self.py_functionalize_impl(functionalize)
+        self._hop_derived_routes = {DispatchKey.Functionalize, FunctionalTensorMode, TransformType.Functionalize}
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if args and args[0] is _transforms.DYNAMO_CALL:  # Note [public functions under Dynamo]
@@ -190,6 +219,9 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
             table = self.functorch_table
         else:
             table = self.python_key_table
+        if k in self._hop_derived_routes:  # a rule of its own replaces the decomposition's
+            self._hop_derived_routes.discard(k)
+            table.pop(cast(Any, k))
         if k in table:
             raise HopValueError(
                 format_message(self.name(), f"a rule for {k} is already registered"),

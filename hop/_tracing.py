@@ -254,7 +254,8 @@ def emit(mode: Any, op: Any, args: Sequence[Any], out: Any, kwargs: dict[str, An
     from torch.fx.experimental.proxy_tensor import track_tensor_tree
 
     proxy_args = py_pytree.tree_map(to_arg, tuple(args))
-    out_proxy = tracer.create_proxy("call_function", op, proxy_args, dict(kwargs or {}))
+    proxy_kwargs = py_pytree.tree_map(to_arg, dict(kwargs or {}))
+    out_proxy = tracer.create_proxy("call_function", op, proxy_args, proxy_kwargs)
     if _observe.SINKS or _observe.structured_on():
         from hop._observe_traced import traced_node
 

@@ -38,7 +38,7 @@ from torch._dynamo.variables.lazy import LazyVariableTracker
 from torch._dynamo.variables.lists import BaseListVariable
 from torch._dynamo.variables.tensor import SymNodeVariable
 
-from hop import _effects, _observe
+from hop import _decomposed, _effects, _observe
 from hop._transforms import DYNAMO_CALL, batched_inside
 from hop.compile._dynamo_errors import hop_errors_break_graph, unsupported, untraceable
 from hop.compile._dynamo_values import (
@@ -427,3 +427,22 @@ class UnhandledVariable(HopVariable):
             "a hop.HigherOrderOperator with no Dynamo handler (every user-defined one)",
             fix="Without fullgraph=True, Dynamo breaks the graph at the call and the operator runs eagerly.",
         )
+
+
+class DecomposedVariable(HopVariable):
+    """A user's operator defined by a decomposition (Note [an operator from its
+    decomposition] in hop._decomposed): Dynamo inlines the decomposition, so the graph
+    holds hop's operators, which every backend takes. A recorded node's call (from an
+    exported program's module) inlines it with the node's closures bound back."""
+
+    _HOP_NAME = "hop (user-defined operator)"
+
+    def _call_function(self, tx: Any, args: Sequence[VT], kwargs: dict[str, VT]) -> VT:
+        from torch._dynamo.variables.functions import UserFunctionVariable
+
+        fn = cast(Any, self.value)._hop_decomposition.fn
+        if _decomposed.CLOSURES in kwargs:
+            args = [UserFunctionVariable(fn), *args]
+            fn = _decomposed.node_call
+        called: VT = UserFunctionVariable(fn).call_function(tx, list(args), dict(kwargs))
+        return called

@@ -125,8 +125,9 @@ def _run_ops_outside_dynamo() -> None:
 
 
 class _Entry:
-    """One entry of Dynamo's name -> handler table: hop's op -> hop's handler, another of
-    hop's ops (a user's) -> a graph break, any other op -> the entry torch had."""
+    """One entry of Dynamo's name -> handler table: hop's op -> hop's handler, a user's op
+    -> its decomposition inlined (a graph break if it has none), any other op -> the
+    entry torch had."""
 
     def __init__(self, torch_handler: Any, handlers: dict[Any, Any]) -> None:
         self.torch_handler = torch_handler
@@ -134,11 +135,11 @@ class _Entry:
 
     def __call__(self, value: Any, source: Any = None, **kwargs: Any) -> Any:
         from hop._operator import HigherOrderOperator
-        from hop.compile._dynamo_capture import UnhandledVariable
+        from hop.compile._dynamo_capture import DecomposedVariable, UnhandledVariable
 
         handler = self.handlers.get(value)
         if handler is None and isinstance(value, HigherOrderOperator):
-            handler = UnhandledVariable
+            handler = UnhandledVariable if value._hop_decomposition is None else DecomposedVariable
         if handler is None:
             handler = self.torch_handler or _torch_default
         return handler(value, source, **kwargs)

@@ -77,6 +77,7 @@ from hop.compile import (
 )
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._hooks import on_import
+from hop.compile._inductor_decomposed import inline_decompositions
 from hop.compile._inductor_in_place import write_carries_in_place
 from hop.compile._inductor_scatter import dense_bases
 from hop.errors import HopRuntimeError, format_message
@@ -583,7 +584,8 @@ def _distinct_outputs(gm: Any) -> None:
 class PostGradPass:
     """Rewrites ``switch``, ``map``, ``scan`` and ``associative_scan`` nodes into
     torch's cond / while_loop and plain ops (a ``post_grad_custom_pre_pass``); gives
-    a scatter into an overlapping tensor a dense base first.
+    a scatter into an overlapping tensor a dense base first. A node of a user's
+    operator with a decomposition is replaced by its trace first.
 
     A virtual subclass of Inductor's ``CustomGraphPass`` (registered with the
     lowerings, so that defining it does not import Inductor): its :meth:`uuid`
@@ -591,6 +593,8 @@ class PostGradPass:
     """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if inline_decompositions(graph):  # users' operators: their decompositions' hop nodes follow
+            graph.lint()
         if dense_bases(graph):  # Note [a scatter's base is dense] (every graph, hop's or not)
             graph.lint()
         ours = [

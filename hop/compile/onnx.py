@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from hop._decomposed import inlined
 from hop.compile._hooks import on_import
 from hop.compile._onnx_prepare import constant_outputs_as_tensors, exact_float64_constants
 
@@ -66,7 +67,8 @@ def _prepare(core: ModuleType) -> None:
         return
 
     def prepare_for_onnx(*args: Any, **kwargs: Any) -> torch.export.ExportedProgram:
-        program: torch.export.ExportedProgram = prepare(*args, **kwargs)
+        with inlined():  # users' operators: their decompositions (Note [an operator from its decomposition])
+            program: torch.export.ExportedProgram = prepare(*args, **kwargs)
         constant_outputs_as_tensors(program.graph_module)
         exact_float64_constants(program.graph_module)
         return program
