@@ -4,15 +4,14 @@ Three operators of different shapes (a loop, a branch, a map over rows), each
 ``hop.HigherOrderOperator(name, decomposition=fn)`` with no other rule, checked
 against the plain Python program in eager, autograd, torch.func (grad, jvp,
 vmap, functionalize), fake tensors, make_fx and torch.export (one node of the
-operator kept, save and load, run_decompositions), strict export,
-torch.compile (aot_eager and Inductor, forward and training), AOTInductor and ONNX.
+operator kept, save and load, run_decompositions). Strict export, torch.compile,
+AOTInductor and ONNX: tests/compile/test_decomposed_compile.py.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -183,44 +182,6 @@ def test_export_keeps_one_node_that_saves_loads_and_decomposes(case: tuple[str, 
     for program in (ep, loaded, decomposed):
         for b in (first, second):
             torch.testing.assert_close(program.module()(b), model.python(b))
-
-
-def test_strict_export_and_compile_inline_the_decomposition(case: tuple[str, Any]) -> None:
-    name, model = case
-    first, second = inputs(name)
-    ep = torch.export.export(model, (first,), strict=True)
-    assert nodes_of(ep.graph_module, OPS[name]) == 0  # Dynamo traced the decomposition
-    for backend in ("aot_eager", "inductor"):
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend=backend, fullgraph=True)
-        for b in (first, second):
-            torch.testing.assert_close(ep.module()(b), model.python(b))
-            torch.testing.assert_close(compiled(b), model.python(b))
-            torch.testing.assert_close(grads(compiled, b, model.w), grads(model.python, b, model.w))
-
-
-def test_an_exported_node_compiles_and_deploys(case: tuple[str, Any], tmp_path: Path) -> None:
-    name, model = case
-    first, second = inputs(name)
-    ep = torch.export.export(model, (first,))
-    compiled = torch.compile(ep.module(), backend="inductor", fullgraph=True)
-    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "op.pt2"))
-    loaded = torch._inductor.aoti_load_package(package)
-    for b in (first, second):
-        torch.testing.assert_close(compiled(b), model.python(b))
-        torch.testing.assert_close(loaded(b), model.python(b))
-
-
-def test_onnx_runs_the_decomposition(case: tuple[str, Any]) -> None:
-    onnxruntime = pytest.importorskip("onnxruntime")
-    name, model = case
-    first, second = inputs(name)
-    program = torch.onnx.export(model, (first,), dynamo=True, verbose=False)
-    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString())
-    feed = session.get_inputs()[0].name
-    for b in (first, second):
-        (got,) = session.run(None, {feed: b.numpy()})
-        torch.testing.assert_close(torch.from_numpy(got), model.python(b).detach())
 
 
 def test_a_registered_rule_overrides_the_derived_one() -> None:
