@@ -113,7 +113,8 @@ def node_call(fn: Fn, *args: Any, **kwargs: Any) -> Any:
 class _Recorder:
     """A callable that remembers the arguments of each call, for tracing it later."""
 
-    def __init__(self, fn: Fn) -> None:
+    def __init__(self, op: str, fn: Fn) -> None:
+        self.op = op
         self.fn = fn
         self.calls: list[tuple[Any, ...]] = []
         self.__qualname__ = getattr(fn, "__qualname__", type(fn).__qualname__)
@@ -124,11 +125,12 @@ class _Recorder:
         if kwargs:
             raise HopTypeError(
                 format_message(
-                    "HigherOrderOperator",
-                    f"a decomposition called the callable {describe_fn(self.fn)} with keyword arguments "
-                    f"({', '.join(kwargs)}), which a traced subgraph cannot take",
+                    self.op,
+                    f"its decomposition called the callable {describe_fn(self.fn)} with keyword arguments "
+                    f"({', '.join(kwargs)}), which a recorded node's subgraph cannot take",
                     fix="Call it with positional arguments.",
                 ),
+                op=self.op,
             )
         return self.fn(*args)
 
@@ -184,7 +186,7 @@ class Decomposition:
         recorders: list[_Recorder] = []
 
         def recording(fn: Fn) -> _Recorder:
-            recorders.append(_Recorder(fn))
+            recorders.append(_Recorder(self.name, fn))
             return recorders[-1]
 
         recorded = _map_fns(args, recording)

@@ -220,3 +220,7 @@ def test_what_cannot_be_recorded_is_refused() -> None:
     torch.testing.assert_close(varies(lambda t, k: t * k, x), x * 3)
     with pytest.raises(HopValueError, match="with argument 1 1 and 2"):
         make_fx(lambda t: varies(lambda u, k: u * k, t), tracing_mode="fake")(x)
+    keyword = hop.HigherOrderOperator("test_keyword_call", decomposition=lambda fn, x: fn(x, k=2))
+    torch.testing.assert_close(keyword(lambda t, k: t * k, x), x * 2)
+    with pytest.raises(HopTypeError, match=r"test_keyword_call: its decomposition called the callable .* with keyword"):
+        make_fx(lambda t: keyword(lambda u, k: u * k, t), tracing_mode="fake")(x)
