@@ -239,22 +239,44 @@ class Decomposition:
                     raise self._unrecordable(fn, f"with a tensor and a {type(b).__name__} as argument {k}")
                 if not isinstance(a, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)) and a != b:
                     raise self._unrecordable(fn, f"with argument {k} {a!r} and {b!r}")
+                if isinstance(a, torch.Tensor) and not _same_meta(a, b):
+                    what = f"with argument {k} of {_meta(a)} and of {_meta(b)} (a subgraph bakes in the first)"
+                    fix = (
+                        "Call each callable with tensors of one size and dtype at every call (slice or pad inside it)."
+                    )
+                    raise self._unrecordable(fn, what, fix)
         for k, a in enumerate(first):
             if not isinstance(a, (torch.Tensor, int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
                 what = f"with argument {k} a {type(a).__name__} (a subgraph takes tensors and numbers)"
                 raise self._unrecordable(fn, what)
         return [_tracing.trace_example(a) for a in first]
 
-    def _unrecordable(self, fn: Fn, what: str) -> HopValueError:
+    def _unrecordable(
+        self, fn: Fn, what: str, fix: str = "Pass varying numbers as tensors, and pytrees as their leaves."
+    ) -> HopValueError:
         return HopValueError(
             format_message(
                 self.name,
                 f"its decomposition called the callable {describe_fn(fn)} {what}: a recorded node's subgraph "
                 "takes the same kinds of arguments at every call",
-                fix="Pass varying numbers as tensors, and pytrees as their leaves.",
+                fix=fix,
             ),
             op=self.name,
         )
+
+
+def _same_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` provably have one dtype, device and size: a graph traced on
+    one gives the other's values (with static sizes it bakes ``t.shape[0]`` in)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if a.dtype != b.dtype or a.device != b.device or a.dim() != b.dim():
+        return False
+    return all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True))
+
+
+def _meta(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
 def _shape_env(args: Sequence[Any]) -> Any:

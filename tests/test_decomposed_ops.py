@@ -220,7 +220,21 @@ def test_what_cannot_be_recorded_is_refused() -> None:
     torch.testing.assert_close(varies(lambda t, k: t * k, x), x * 3)
     with pytest.raises(HopValueError, match="with argument 1 1 and 2"):
         make_fx(lambda t: varies(lambda u, k: u * k, t), tracing_mode="fake")(x)
+    # a graph traced on the first call would give the second call the first's size: refused
+    sizes = hop.HigherOrderOperator("test_two_sizes", decomposition=lambda fn, x: fn(x).sum() + fn(x[:2]).sum())
+    torch.testing.assert_close(sizes(lambda t: t * t.shape[0], torch.ones(3)), torch.tensor(13.0))
+    with pytest.raises(HopValueError, match=r"test_two_sizes: .* with argument 0 of shape \(3,\) float32 and of shape"):
+        torch.export.export(_Calls(sizes, lambda t: t * t.shape[0]), (torch.ones(3),))
     keyword = hop.HigherOrderOperator("test_keyword_call", decomposition=lambda fn, x: fn(x, k=2))
     torch.testing.assert_close(keyword(lambda t, k: t * k, x), x * 2)
     with pytest.raises(HopTypeError, match=r"test_keyword_call: its decomposition called the callable .* with keyword"):
         make_fx(lambda t: keyword(lambda u, k: u * k, t), tracing_mode="fake")(x)
+
+
+class _Calls(torch.nn.Module):
+    def __init__(self, op: Any, fn: Any) -> None:
+        super().__init__()
+        self.op, self.fn = op, fn
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.op(self.fn, x)
