@@ -234,12 +234,17 @@ def _unbatch_placeholders(graph: torch.fx.Graph) -> None:
     returns its input as it is returns that placeholder, which hop's checks read as the
     user sees it."""
     for node in graph.find_nodes(op="placeholder"):
-        value = node.meta.get("example_value")
-        if batched_inside(value):
-            node.meta[BATCHED_EXAMPLE] = value
-            while torch._C._functorch.is_functorch_wrapped_tensor(value):
-                value = torch._C._functorch.get_unwrapped(value)
-            node.meta["example_value"] = value
+        _unbatch_placeholder(node)
+
+
+def _unbatch_placeholder(node: torch.fx.Node) -> None:
+    """One placeholder of :func:`_unbatch_placeholders`."""
+    value = node.meta.get("example_value")
+    if isinstance(value, torch.Tensor) and batched_inside(value):
+        node.meta[BATCHED_EXAMPLE] = value
+        while torch._C._functorch.is_functorch_wrapped_tensor(value):
+            value = torch._C._functorch.get_unwrapped(value)
+        node.meta["example_value"] = value
 
 
 def drop_constant_inputs(graph: torch.fx.Graph, leaves: Sequence[VT]) -> list[VT]:
@@ -278,7 +283,13 @@ def share_lifted(subgraphs: Sequence[Subgraph], inputs: Sequence[torch.fx.Proxy]
                 continue
             with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
                 node = graph.placeholder(_unused_input_name(graph, parent.node.name))
+            # the parent's value under vmap is a BatchedTensor: unwrapped as the subgraph's
+            # own placeholders were, or Dynamo's runtime-assert pass, binding a size symbol
+            # only this input carries (one specialized before the subgraph was traced), reads
+            # it with sym_size, which has no batching rule (a cond whose other branch closes
+            # over the tensor, compiled with dynamic=True)
             node.meta = dict(parent.node.meta)
+            _unbatch_placeholder(node)
             ordered.append(node)
         anchor = next(n for n in graph.nodes if n.op != "placeholder")
         for node in [*own, *ordered]:
