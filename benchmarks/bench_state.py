@@ -15,6 +15,7 @@ Targets (the issue on state inside control flow): per-step time at N = 65536 wit
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,8 @@ def python_loop(buffer: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> tuple
 
 
 def per_step_us(fn: Callable[..., Any], *args: torch.Tensor) -> float:
-    return per_call_us(lambda: fn(*args), number=5, repeat=5) / STEPS
+    # CPU time of this (single-threaded) process: other load on the machine disturbs it less
+    return per_call_us(lambda: fn(*args), number=5, repeat=10, timer=time.process_time) / STEPS
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from hop.compile._inductor_in_place import write_carries_in_place
+from hop.compile._inductor_in_place import DONATED, write_carries_in_place
 from hop.errors import CompileUnsupported, HopValueError, format_message
 from hop.ops.associative_scan import associative_scan_dense, associative_scan_op
 from hop.ops.map import map_op
@@ -308,8 +308,10 @@ def rewrite_scan(
     reverse: bool,
 ) -> Any:
     if isinstance(body, torch.fx.GraphModule):  # Note [a written carry is written in place]
-        written = write_carries_in_place(body, len(init))
-        init = [x.clone() if k in written else x for k, x in enumerate(init)]
+        # decided (and the body rewritten) by the pass before this trace, on the node's values
+        written = write_carries_in_place(body, list(node.args[1]))  # type: ignore[arg-type]
+        donated = node.meta.get(DONATED, frozenset())  # Note [a written graph input is the loop's own carry]
+        init = [x.clone() if k in written and k not in donated else x for k, x in enumerate(init)]
     carry, ys = _scan_loop("scan", body, init, xs, additional, reverse, _outputs(node)[len(init) :], inputs)
     return _like_node(node, [*carry, *ys])
 

@@ -188,12 +188,14 @@ PRIVATE: tuple[Private, ...] = (
         "torch._prims_common.make_contiguous_strides_for",
         "torch._subclasses.fake_tensor.FakeTensor",
         "torch.fx.experimental.proxy_tensor.make_fx",
+        "torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing",
         "torch.fx.experimental.symbolic_shapes.statically_known_true",
         "torch.fx.experimental.symbolic_shapes.sym_eq",
         "torch.utils._sympy.interp.sympy_interp",
         "torch.utils._sympy.reference.PythonReferenceAnalysis",
         "torch.ops.higher_order.cond",
         "torch.ops.higher_order.while_loop",
+        "torch._higher_order_ops.utils.check_input_alias_and_mutation",
     ),
     *_listed(
         "hop.compile._aoti_refusals (wraps the AOTInductor entry points)",
@@ -235,6 +237,13 @@ CHANGES: tuple[Change, ...] = (
         "make_fx with fake or symbolic tracing traces w[i] on an unbacked int i (with _assert_scalar "
         "bounds checks); 2.13 raised a data-dependent guard error.",
         "nothing to handle: hop's traced loops give the right value on both",
+    ),
+    Change(
+        (2, 15),
+        "Inductor's WhileLoop.create takes the output of a carry the body writes in place as that carry's "
+        "input; before, it paired the body's writes, in the order the body makes them, with the carries "
+        "in index order (a scan writing a buffer it closes over, then its stacked outputs, swapped them).",
+        "hop.compile.inductor._writes_in_carry_order: the writes are reported in carry order",
     ),
 )
 

@@ -78,10 +78,11 @@ from hop.compile import (
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._hooks import on_import
 from hop.compile._inductor_decomposed import inline_decompositions
-from hop.compile._inductor_in_place import write_carries_in_place
+from hop.compile._inductor_in_place import DONATED, donate_written_inputs, write_carries_in_place
 from hop.compile._inductor_scatter import dense_bases
 from hop.errors import HopRuntimeError, format_message
 from hop.ops.cond import cond_op
+from hop.ops.scan import scan_op
 from hop.ops.while_loop import while_loop_op
 
 __all__ = ["POST_GRAD_PASS", "PostGradPass", "chain"]
@@ -244,13 +245,17 @@ def _lower_while(
         # block: the condition must define symbols of its own.
         cond_fn.graph_module = _retrace(cond_fn.graph_module)
         _bind_item_symbols(cond_fn.graph_module)
-    written = write_carries_in_place(body_fn.graph_module, len(carried_inputs))
+    written = write_carries_in_place(body_fn.graph_module, node.args[2])  # type: ignore[arg-type]
+    donated = node.meta.get(DONATED, frozenset())  # Note [a written graph input is the loop's own carry]
+    if not donated <= set(written):
+        raise AssertionError(f"hop: carries {sorted(donated)} lost their write-back but are not written in place")
     if written:  # Note [a written carry is written in place]
         from torch._inductor import ir
         from torch._inductor.lowering import clone
 
         carried_inputs = [
-            clone(c) if k in written and isinstance(c, ir.TensorBox) else c for k, c in enumerate(carried_inputs)
+            clone(c) if k in written and k not in donated and isinstance(c, ir.TensorBox) else c
+            for k, c in enumerate(carried_inputs)
         ]
     carried_inputs = _traced_strides(carried_inputs, node.args[2])
     additional_inputs = _simplest_sizes(node, 3, additional_inputs)
@@ -304,7 +309,8 @@ def _lower_torch_while(torch_while: Fn, *args: Any, **kwargs: Any) -> Any:
         ]
         args = (*args[:3], type(args[3])(copied), *args[4:])  # a list or a tuple, as given
     known_buffers, known_operations = len(V.graph.buffers), len(V.graph.operations)
-    out = torch_while(*args, **kwargs)
+    with _writes_in_carry_order():
+        out = torch_while(*args, **kwargs)
     _reads_first(V.graph.operations[known_operations:])
     never = V.graph.never_reuse_buffers
     for buffer in V.graph.buffers[known_buffers:]:
@@ -410,6 +416,32 @@ def _no_donated_buffers() -> None:
     meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
     if getattr(meta, "bw_donated_idxs", None):
         meta.bw_donated_idxs = []  # type: ignore[union-attr]  # AOTAutograd's "none donated"
+
+
+@contextlib.contextmanager
+def _writes_in_carry_order() -> Iterator[None]:
+    """Before torch 2.15, Inductor's while loop paired the carries a body writes in
+    place, in carry order, with the list of written inputs in the order the body
+    writes them: a body writing carry 2 before carry 0 (a scan's body writing a buffer
+    it closes over, then the rewrite's stacked outputs) got their outputs swapped
+    (a loud size mismatch, or silently wrong values where the sizes agree). The list
+    is handed over sorted for the lowering's call."""
+    if _torch_api.at_least(2, 15):
+        yield
+        return
+    import torch._higher_order_ops.utils as utils
+
+    original = utils.check_input_alias_and_mutation
+
+    def in_carry_order(*args: Any, **kwargs: Any) -> Any:
+        *maps, written = original(*args, **kwargs)
+        return (*maps, sorted(set(written)))
+
+    utils.check_input_alias_and_mutation = in_carry_order
+    try:
+        yield
+    finally:
+        utils.check_input_alias_and_mutation = original
 
 
 @contextlib.contextmanager
@@ -610,8 +642,11 @@ class PostGradPass:
         for node in ours:
             if node.target is while_loop_op:
                 _check_fixed_carries(node)
+                _donate_while_inputs(node)
             elif node.target is cond_op and rw.cond_needs_rewrite(node):
                 _rewrite(node, rw.rewrite_cond)
+            if node.target is scan_op:
+                _donate_scan_inputs(node)
             if node.target in rw.REWRITES:
                 _rewrite(node, rw.REWRITES[node.target])
 
@@ -640,6 +675,31 @@ def _source_hash() -> bytes:
 
     package = Path(__file__).resolve().parent.parent
     return get_hash_for_files(tuple(str(p) for p in sorted(package.rglob("*.py"))))
+
+
+def _donate_while_inputs(node: torch.fx.Node) -> None:
+    """Note [a written graph input is the loop's own carry]."""
+    root = node.graph.owning_module
+    cond_fn, body_fn, carries, additional = node.args[:4]
+    if root is None or not all(isinstance(g, torch.fx.Node) and g.op == "get_attr" for g in (cond_fn, body_fn)):
+        return
+    cond_gm, body_gm = (getattr(root, str(g.target)) for g in (cond_fn, body_fn))  # type: ignore[union-attr]
+    carries, additional = list(carries), list(additional)  # type: ignore[arg-type]
+    written = write_carries_in_place(body_gm, carries)
+    subgraphs = [(cond_gm, len(carries)), (body_gm, len(carries))]
+    donate_written_inputs(node, carries, additional, subgraphs, written)
+
+
+def _donate_scan_inputs(node: torch.fx.Node) -> None:
+    """Note [a written graph input is the loop's own carry], for the loop a scan becomes."""
+    root = node.graph.owning_module
+    body_fn, init, xs, additional = node.args[:4]
+    if root is None or not (isinstance(body_fn, torch.fx.Node) and body_fn.op == "get_attr"):
+        return
+    body_gm = getattr(root, str(body_fn.target))
+    init, xs, additional = list(init), list(xs), list(additional)  # type: ignore[arg-type]
+    written = write_carries_in_place(body_gm, init)
+    donate_written_inputs(node, init, additional, [(body_gm, len(init) + len(xs))], written)
 
 
 def _check_fixed_carries(node: torch.fx.Node) -> None:

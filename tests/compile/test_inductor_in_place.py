@@ -29,7 +29,7 @@ def test_a_chain_of_scatters_into_a_carry_becomes_in_place() -> None:
     gm = _body(body, torch.tensor(1), torch.zeros(4, 3), torch.ones(3))
     buf = torch.zeros(4, 3)
     want = gm(torch.tensor(1), buf.clone(), torch.ones(3))
-    assert write_carries_in_place(gm, 2) == [1]
+    assert write_carries_in_place(gm, [torch.tensor(1), torch.zeros(4, 3)]) == [1]
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     assert aten.index_put_.default in targets and aten.copy_.default in targets
     assert aten.index_put.default not in targets and aten.select_scatter.default not in targets
@@ -45,7 +45,7 @@ def test_a_carry_read_after_its_write_is_left_functional(read: str) -> None:
         return b, (buf if read == "old" else b).sum() + v  # a read after the write
 
     gm = _body(body, torch.zeros(4, 3), torch.ones(3))
-    assert write_carries_in_place(gm, 1) == []
+    assert write_carries_in_place(gm, [torch.zeros(4, 3)]) == []
     assert aten.index_copy.default in {n.target for n in gm.graph.nodes}
 
 
@@ -77,3 +77,128 @@ def test_a_compiled_loop_writing_rows_matches_python(form: str) -> None:
     got = torch.compile(fn, backend="inductor", fullgraph=True)(buf, v)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(buf, want_buf)
+
+
+# Note [a written graph input is the loop's own carry]
+def _rows_loop(steps: int, read: str) -> Any:
+    w = torch.eye(4) * 0.5
+
+    def fn(buf: torch.Tensor, v: torch.Tensor) -> Any:
+        before = buf.sum() if read == "before" else None
+
+        def body(i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            v = torch.tanh(v @ w) + 1
+            buf.index_copy_(0, i.reshape(1), v[None])
+            return v
+
+        v = hop.fori_loop(torch.tensor(0), torch.tensor(steps), body, v)
+        if read == "before":
+            return v, before
+        if read == "after":
+            return v, buf.sum(0)
+        if read == "returned":
+            return v, buf
+        if read == "second_loop":
+            return hop.fori_loop(torch.tensor(0), torch.tensor(steps), body, v)
+        return v
+
+    return fn
+
+
+def _compiled_code(fn: Any, *args: torch.Tensor, dynamic: bool | None = None) -> tuple[Any, str]:
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    out, code = run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True, dynamic=dynamic), *args)
+    return out, "\n".join(code)
+
+
+def _matches_python(fn: Any, make: Any, *args: torch.Tensor, dynamic: bool | None = None) -> str:
+    """Run ``fn`` eagerly on one buffer ``make()`` gives and compiled on another: the
+    outputs and the buffers agree. Returns the compiled code."""
+    want_buf, buf = make(), make()
+    want = fn(want_buf, *args)
+    got, code = _compiled_code(fn, buf, *args, dynamic=dynamic)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(buf, want_buf)
+    return code
+
+
+def test_a_buffer_only_the_loop_writes_is_written_without_a_copy() -> None:
+    fn = _rows_loop(5, "none")
+    v = torch.randn(4)
+    code = _matches_python(fn, lambda: torch.zeros(8, 4), v)
+    want_buf, buf = torch.zeros(8, 4), torch.zeros(8, 4)
+    fn(want_buf, v)
+    torch.compile(fn, backend="inductor", fullgraph=True)(buf, v)
+    # no clone of the buffer before the loop, no copy back after it (only the clone of
+    # the zero-trip path, which a loop that runs no step returns)
+    call = code[code.index("def call(") :]
+    assert "copy_" not in call, call
+    assert call.count(".clone()") == call.count("if not should_loop") * 3, call
+    # a second call goes on from the buffer the first wrote, as in Python
+    want_buf[:2] = 7.0
+    buf[:2] = 7.0
+    torch.testing.assert_close(torch.compile(fn, backend="inductor", fullgraph=True)(buf, v), fn(want_buf, v))
+    torch.testing.assert_close(buf, want_buf)
+
+
+@pytest.mark.parametrize("read", ["before", "after", "returned", "second_loop"])
+@pytest.mark.parametrize("steps", [0, 3])
+def test_a_buffer_read_outside_the_loop_keeps_python_values(read: str, steps: int) -> None:
+    _matches_python(_rows_loop(steps, read), lambda: torch.ones(8, 4), torch.randn(4))
+
+
+@pytest.mark.parametrize("form", ["closed_over", "carried"])
+def test_a_strided_view_is_written_where_python_writes(form: str) -> None:
+    # Inductor wrote such a view through a contiguous copy the loop dropped: the
+    # caller's tensor kept its initial rows (silently, before the fix)
+    w = torch.eye(4) * 0.5
+
+    def carried(buf: torch.Tensor, v: torch.Tensor) -> Any:
+        def body(i: torch.Tensor, c: tuple[torch.Tensor, torch.Tensor]) -> Any:
+            b, v = c
+            v = torch.tanh(v @ w) + 1
+            return b.index_copy(0, i.reshape(1), v[None]), v
+
+        return hop.fori_loop(torch.tensor(0), torch.tensor(4), body, (buf, v))
+
+    fn = _rows_loop(4, "none") if form == "closed_over" else carried
+    want_base, base = torch.zeros(8, 10), torch.zeros(8, 10)
+    v = torch.randn(4)
+    want = fn(want_base[2:, 3:7], v)
+    got, _ = _compiled_code(fn, base[2:, 3:7], v)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(base, want_base)
+    got, _ = _compiled_code(fn, base.t()[:4, :6].t(), v)  # transposed
+    torch.testing.assert_close(got, fn(want_base.t()[:4, :6].t(), v))
+    torch.testing.assert_close(base, want_base)
+
+
+def test_a_body_reading_the_buffer_it_writes_keeps_python_values() -> None:
+    def fn(buf: torch.Tensor, v: torch.Tensor) -> Any:
+        def body(i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            v = v + buf.sum(0)  # reads the rows earlier steps wrote, through the closure
+            buf.index_copy_(0, i.reshape(1), v[None])
+            return v
+
+        return hop.fori_loop(torch.tensor(0), torch.tensor(4), body, v)
+
+    _matches_python(fn, lambda: torch.ones(6, 3), torch.randn(3))
+
+
+@pytest.mark.parametrize(("rows", "dynamic"), [(8, False), (16, False), (16, True)])
+def test_a_scan_writing_a_buffer_it_closes_over_matches_python(rows: int, dynamic: bool) -> None:
+    # the scan's loop writes the buffer, then its stacked outputs: before torch 2.15,
+    # Inductor paired those writes with the carries in the wrong order (rows = 8, the
+    # stacked outputs' size: the buffer silently kept wrong rows; 16: a lowering error)
+    def fn(buf: torch.Tensor, xs: torch.Tensor) -> Any:
+        def body(i: torch.Tensor, x: torch.Tensor) -> Any:
+            buf.index_copy_(0, i.reshape(1), torch.tanh(x)[None])
+            return i + 1, x * 2
+
+        return hop.scan(body, torch.tensor(0), xs)
+
+    code = _matches_python(fn, lambda: torch.zeros(rows, 4), torch.randn(8, 4), dynamic=dynamic)
+    call = code[code.index("def call(") :]
+    assert "copy_" not in call, call  # Note [a written graph input is the loop's own carry]
