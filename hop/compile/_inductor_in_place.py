@@ -10,12 +10,14 @@ outputs to the next step by reference, and a body that writes a carried input in
 place is lowered as a mutation of that input (hop's scan rewrite writes its stacked
 outputs so). So before lowering, a carry whose body output is a chain of scatters
 (``index_put``, ``index_copy``, ``scatter``, ``select_scatter``, ``slice_scatter``)
-into that same carry's placeholder, with no read of the placeholder after the
-first scatter and no read of the written value but the output (the next step's),
-becomes the in-place chain, returning the placeholder. The loop's
-initial value of such a carry is copied once before the loop (the caller's tensor,
-a graph input, keeps its value for every other reader): one copy per call, a row
-per step.
+into that same carry's placeholder becomes the in-place chain, returning the
+placeholder, when no read of the carry's old value (the placeholder, or a view of it)
+comes after the first scatter; reads of the written value (attention over the KV
+cache the step appended to) then read the placeholder, written by then. Only a
+contiguous carry whose initial value has the body's traced layout qualifies:
+Inductor writes a strided input through a copy of its own. The loop's initial
+value of such a carry is copied once before the loop (the caller's tensor, a graph
+input, keeps its value for every other reader): one copy per call, a row per step.
 
 Note [a written graph input is the loop's own carry]
 The copy before the loop is not needed where nobody else reads the caller's tensor:
@@ -114,13 +116,10 @@ def write_carries_in_place(body: torch.fx.GraphModule, carried: Sequence[Any]) -
             # need not share): the caller's tensor would keep its initial rows, silently
             continue
         chain = _chain(outs[k], placeholders[k])
-        if chain is None or any(order[u] > order[chain[0]] for u in placeholders[k].users if u is not chain[0]):
+        if chain is None or _old_value_read_after(placeholders[k], chain[0], order):
             continue
-        if set(chain[-1].users) != {output}:
-            # read again after its write in the same step (attention reading the cache it just
-            # wrote): such a carry, written in place, tripped Inductor's stride checks of the
-            # loop's outputs, so it stays functional (a copy per step)
-            continue
+        # the written value may be read in the step (attention over the cache this step
+        # appended to): those reads now read the carry, written in place by then
         target: Any = placeholders[k]
         for node in chain:
             with graph.inserting_before(node):
@@ -198,6 +197,32 @@ def _is_write_back(copy: torch.fx.Node, p: torch.fx.Node, node: torch.fx.Node, k
         return False
     a, b = p.meta.get("val"), src.meta.get("val")
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_layout(a, b)
+
+
+def _old_value_read_after(placeholder: torch.fx.Node, first: torch.fx.Node, order: dict[torch.fx.Node, int]) -> bool:
+    """Whether the carry's value before ``first`` writes it is read after that, directly
+    or through a view of it (``r = buf[0]`` before the write, read after it, must see
+    the old row)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node: torch.fx.Node) -> Any:
+        val = node.meta.get("val")
+        return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None  # type: ignore[no-untyped-call]
+
+    mine = storage(placeholder)
+    seen: set[torch.fx.Node] = set()
+    stack = [placeholder]
+    while stack:
+        for user in stack.pop().users:
+            if user is first or user in seen:
+                continue
+            if order[user] > order[first]:
+                return True
+            seen.add(user)
+            view = getattr(user.target, "is_view", False) or user.target is operator.getitem
+            if view or (mine is not None and storage(user) == mine):
+                stack.append(user)  # a view (or a part of one): its readers read the carry too
+    return False
 
 
 def _fits(placeholder: torch.fx.Node, initial: Any) -> bool:

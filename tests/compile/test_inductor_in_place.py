@@ -38,15 +38,20 @@ def test_a_chain_of_scatters_into_a_carry_becomes_in_place() -> None:
     torch.testing.assert_close(buf, want[1])  # written in place
 
 
-@pytest.mark.parametrize("read", ["old", "new"])
-def test_a_carry_read_after_its_write_is_left_functional(read: str) -> None:
+@pytest.mark.parametrize("read", ["old", "old_view", "new"])
+def test_a_carry_read_after_its_write_is_in_place_only_for_the_new_value(read: str) -> None:
     def body(buf: torch.Tensor, v: torch.Tensor) -> Any:
-        b = aten.index_copy.default(buf, 0, torch.tensor([0]), v[None])
-        return b, (buf if read == "old" else b).sum() + v  # a read after the write
+        view = buf[1:]
+        b = aten.index_copy.default(buf, 0, torch.tensor([1]), v[None])
+        read_ = {"old": buf, "old_view": view, "new": b}[read]
+        return b, read_.sum() + v  # a read after the write
 
     gm = _body(body, torch.zeros(4, 3), torch.ones(3))
-    assert write_carries_in_place(gm, [torch.zeros(4, 3)]) == []
-    assert aten.index_copy.default in {n.target for n in gm.graph.nodes}
+    want = gm(torch.zeros(4, 3), torch.ones(3))
+    written = write_carries_in_place(gm, [torch.zeros(4, 3)])
+    assert written == ([0] if read == "new" else [])
+    assert (aten.index_copy.default in {n.target for n in gm.graph.nodes}) == (read != "new")
+    torch.testing.assert_close(gm(torch.zeros(4, 3), torch.ones(3)), want)
 
 
 @pytest.mark.parametrize("form", ["in_place", "out_of_place"])
@@ -202,3 +207,40 @@ def test_a_scan_writing_a_buffer_it_closes_over_matches_python(rows: int, dynami
     code = _matches_python(fn, lambda: torch.zeros(rows, 4), torch.randn(8, 4), dynamic=dynamic)
     call = code[code.index("def call(") :]
     assert "copy_" not in call, call  # Note [a written graph input is the loop's own carry]
+
+
+@pytest.mark.parametrize("form", ["closed_over", "carried"])
+def test_a_body_reading_the_row_it_just_wrote_is_written_in_place(form: str) -> None:
+    # attention over a cache the step appended to: the read sees this step's row
+    def closed_over(buf: torch.Tensor, v: torch.Tensor) -> Any:
+        def body(i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            buf.index_copy_(0, i.reshape(1), v[None])
+            return torch.tanh(torch.softmax(buf @ v, 0) @ buf + v)
+
+        return hop.fori_loop(torch.tensor(0), torch.tensor(5), body, v)
+
+    def carried(buf: torch.Tensor, v: torch.Tensor) -> Any:
+        def body(i: torch.Tensor, c: tuple[torch.Tensor, torch.Tensor]) -> Any:
+            b, v = c
+            b = b.index_copy(0, i.reshape(1), v[None])
+            return b, torch.tanh(torch.softmax(b @ v, 0) @ b + v)
+
+        return hop.fori_loop(torch.tensor(0), torch.tensor(5), body, (buf, v))
+
+    fn = closed_over if form == "closed_over" else carried
+    code = _matches_python(fn, lambda: torch.zeros(8, 4), torch.randn(4))
+    body = code[code.index("def while_loop_graph_1") :]
+    assert "empty_strided_cpu((8, 4)" not in body[: body.index("return")]  # no new buffer per step
+
+
+def test_a_view_of_the_old_value_read_after_the_write_sees_the_old_rows() -> None:
+    def fn(buf: torch.Tensor, v: torch.Tensor) -> Any:
+        def body(i: torch.Tensor, c: tuple[torch.Tensor, torch.Tensor]) -> Any:
+            b, v = c
+            old = b[0]  # a view of the carry before the write
+            b = b.index_copy(0, torch.zeros(1, dtype=torch.long), (v * 0 + i)[None])
+            return b, v + old * (b[1] + 1)  # read after the write: the old row 0
+
+        return hop.fori_loop(torch.tensor(1), torch.tensor(4), body, (buf, v))
+
+    _matches_python(fn, lambda: torch.zeros(3, 2), torch.ones(2))
