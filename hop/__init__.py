@@ -13,6 +13,7 @@ from hop.compile import inductor as _inductor  # noqa: F401  (Inductor lowerings
 from hop.compile import onnx as _onnx  # noqa: F401  (ONNX translations, registered when torch loads its exporter)
 from hop.errors import HopError
 from hop.ops.associative_scan import associative_scan
+from hop.ops.bounded_while import bounded_while
 from hop.ops.cond import cond
 from hop.ops.fori_loop import fori_loop
 from hop.ops.map import map
@@ -23,6 +24,7 @@ from hop.ops.while_loop import while_loop
 __all__ = [
     "HigherOrderOperator",
     "associative_scan",
+    "bounded_while",
     "cond",
     "config",
     "fori_loop",
