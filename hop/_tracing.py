@@ -170,6 +170,55 @@ def keeping_node_meta(fn: Callable[..., Any]) -> Callable[..., Any]:
     return interpreted
 
 
+# Note [size reads in a vmapped graph]
+# A graph Dynamo captured reads its inputs' sizes with ``aten.sym_size.int``: it binds
+# each size symbol of an input that way, whether the graph uses it or not (the fresh
+# unbacked size of a while_loop carry generalized across iterations), and hop's own
+# captures bind sizes alike. Under vmap such a graph runs on batched tensors (in a vmap
+# rule, and in a loop's fixpoint under export's pre-dispatch trace), where that op has
+# no batching rule ("Batching rule not implemented for aten::sym_size.int"). The graph
+# reads the value it sees, one element's, whose sizes a batched tensor reports without
+# a dispatch: such a graph is run as a copy whose reads call ``Tensor.size(d)`` (the
+# same value on any other tensor).
+def _size(t: torch.Tensor, d: int) -> Any:
+    return t.size(d)
+
+
+def _stride(t: torch.Tensor, d: int) -> Any:
+    return t.stride(d)
+
+
+def _numel(t: torch.Tensor) -> Any:
+    return t.numel()
+
+
+_SIZE_READS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.sym_size.int: _size,
+    torch.ops.aten.sym_stride.int: _stride,
+    torch.ops.aten.sym_numel.default: _numel,
+}
+
+
+def per_element_sizes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, or for a graph that reads sizes with ``sym_size`` and the like, a copy of
+    it whose reads are valid on batched tensors (Note [size reads in a vmapped graph])."""
+    if not isinstance(fn, torch.fx.GraphModule) or not any(
+        n.op == "call_function" and n.target in _SIZE_READS for n in fn.graph.nodes
+    ):
+        return fn
+    graph = torch.fx.Graph(owning_module=None, tracer_cls=fn.graph._tracer_cls)
+    graph._codegen = fn.graph._codegen
+    graph.output(graph.graph_copy(fn.graph, {}))
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _SIZE_READS:
+            node.target = _SIZE_READS[node.target]
+    copy = torch.fx.GraphModule(fn, graph, class_name=type(fn).__name__)
+    copy.meta = fn.meta
+    if "__wrapped__" in fn.__dict__:  # the function it names in errors
+        copy.__wrapped__ = fn.__dict__["__wrapped__"]
+    return copy
+
+
 # Note [bodies are traced on values they can see]
 # A loop body is traced on fresh tensors, never on the carries themselves (a body
 # may also read the loop's initial tensor through a closure, and two carries must

@@ -404,10 +404,11 @@ def _fixpoint(
     # a literal's value is the first step's only; a layout the body was not traced on, not even that
     carried = tuple(_tracing.traced_layout(_tracing.unknown_value(c)) for c in carried)
     current, out = carried, carried
+    run = _tracing.per_element_sizes(body_fn)  # carries batched under pre-dispatch vmap
     for _ in range(8):
         ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else nullcontext()
         with ignore:
-            out = as_tuple(body_fn(*current, *additional))
+            out = as_tuple(run(*current, *additional))
         # the raw op's body is not checked by the user function: one output per carry, of its kind
         roles = ("carried_inputs", "body_fn")
         _output_checks.check_same_outputs(op, roles, (current, out), root="carry", fns=(None, body_fn))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hop import _closures, _effects, _lifting, _observe, _output_checks, _pytree, _transforms
+from hop import _closures, _effects, _lifting, _observe, _output_checks, _pytree, _tracing, _transforms
 from hop._unbacked import Unifier, dense_order, unrecorded_symbols
 from hop.errors import HopValueError, format_message
 from hop.ops._branching import Branching, Fn, as_tuple, no_alias, same_form
@@ -239,9 +239,10 @@ def vmap(branching: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn
         # node selects each element's gradient from its own branch
         if reverse_tracked([*operands, *_closures.closure_tensors(branches)]):
             return _as_node(branching, sel, branches, operands, batched_at=level)
-        return _select_batched(branching, sel, branches, operands)
+        # Note [size reads in a vmapped graph] (hop._tracing): they run on batched tensors
+        return _select_batched(branching, sel, [_tracing.per_element_sizes(b) for b in branches], operands)
     if _transforms.is_concrete(sel):
-        out = inline(branching, sel, branches, operands)
+        out = inline(branching, sel, [_tracing.per_element_sizes(b) for b in branches], operands)
         if _grad_enabled() and only_vmap_levels():  # Note [untaken branches get zero gradients]
             out = zero_untaken(out, branches, _pytree.flatten(tuple(operands))[0])
         return out

@@ -380,6 +380,7 @@ def lower_vmap(
             return unbatched(*values)
 
     def vmapped(fn: Callable[..., Any], in_dims: tuple[int | None, ...], out_dims: Any = 0) -> Callable[..., Any]:
+        fn = _tracing.per_element_sizes(fn)  # Note [size reads in a vmapped graph]
         return torch.vmap(fn, in_dims=in_dims, out_dims=out_dims, randomness=interpreter.randomness())
 
     call, out_dim = batched(values, dims, interpreter.batch_size(), vmapped)

@@ -223,8 +223,8 @@ def vmap(
     The carry always gets the batch (at dim 0), each batched leaf of ``xs`` has it
     moved to dim 1 (dim 0 is scanned), ``ys`` come back batched at dim 1.
     """
-    if runs_inline(xs[0].shape[0], init, xs, additional):
-        return dense(looping, body, init, xs, additional, reverse)
+    if runs_inline(xs[0].shape[0], init, xs, additional):  # Note [size reads in a vmapped graph] (hop._tracing)
+        return dense(looping, _tracing.per_element_sizes(body), init, xs, additional, reverse)
     nc = len(init)
 
     def batched(values: list[list[Any]], dims: list[list[int | None]], size: int, vmapped: Vmapped) -> Any:

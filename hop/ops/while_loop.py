@@ -34,7 +34,7 @@ from torch._C._functorch import TransformType
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hop import _effects, _observe, _reference, _spec, _transforms
+from hop import _effects, _observe, _reference, _spec, _tracing, _transforms
 from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
@@ -230,8 +230,10 @@ def while_loop_vmap(
 ) -> Any:
     """Concrete: the masked loop inline. Traced: one loop a level down that runs while
     any element is active and freezes finished ones."""
+    # Note [size reads in a vmapped graph]: both paths below run the callables on batched tensors
+    cond_b, body_b = _tracing.per_element_sizes(cond_fn), _tracing.per_element_sizes(body_fn)
     if runs_inline(carried_inputs, additional_inputs):
-        return while_loop_dense(cond_fn, body_fn, carried_inputs, additional_inputs)
+        return while_loop_dense(cond_b, body_b, carried_inputs, additional_inputs)
     flag = _while_node.flag(checkpoint)
 
     def batched(values: list[list[Any]], dims: list[list[int | None]], size: int, vmapped: Vmapped) -> Any:
@@ -246,7 +248,7 @@ def while_loop_vmap(
         plain: list[Any] = []
 
         def tensor_cond(*args: Any) -> Any:
-            pred = cond_fn(*args)
+            pred = cond_b(*args)
             if isinstance(pred, torch.Tensor):
                 return pred
             plain[:] = [pred]  # a bool of int carries: unbatched, the same for every element
@@ -259,11 +261,11 @@ def while_loop_vmap(
             return plain.pop() if plain else pred.reshape(size).any()
 
         def step(*args: Any) -> tuple[Any, ...]:
-            active = cond_fn(*args)
+            active = cond_b(*args)
             if not _while_run.batched_here(active):  # every element steps: no mask
-                return _while_run.checked_step(body_fn, args[:n], args[n:])
+                return _while_run.checked_step(body_b, args[:n], args[n:])
             # Note [finished elements are not differentiated]; an int carry must not change
-            return _while_run.active_step(active, body_fn, args[:n], args[n:])
+            return _while_run.active_step(active, body_b, args[:n], args[n:])
 
         n = len(carried)
         masked_body = vmapped(step, in_dims, tuple(0 if t else None for t in tensor))
