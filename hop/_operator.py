@@ -263,11 +263,22 @@ class HigherOrderOperator(torch._ops.HigherOrderOperator):
         return (_lookup_op, (self.name(),))
 
 
+# hop's own operators declared by a decomposition (hop/ops), which have no node spec
+_OWN_DECOMPOSED: set[str] = set()
+
+
+def declare_own(op: HigherOrderOperator) -> HigherOrderOperator:
+    """Mark ``op``, defined in hop/ops by its decomposition, as one of hop's own."""
+    _OWN_DECOMPOSED.add(op.name())
+    return op
+
+
 def _own(name: str) -> bool:
-    """Whether ``name`` is one of hop's own operators (hop/ops, each with a spec of its
-    node): saved programs refer to them by name, so a user op may not take one over."""
+    """Whether ``name`` is one of hop's own operators (hop/ops: a spec of its node, or
+    declared by its decomposition): saved programs refer to them by name, so a user op
+    may not take one over."""
     spec = _spec.spec_of(name)
-    return spec is not None and spec.layout is not None
+    return (spec is not None and spec.layout is not None) or name in _OWN_DECOMPOSED
 
 
 def _lookup_op(name: str) -> HigherOrderOperator:

@@ -593,7 +593,10 @@ def test_the_names_refused_are_exactly_hops_own_operators() -> None:
     for info in pkgutil.iter_modules(hop.ops.__path__):
         module = importlib.import_module(f"hop.ops.{info.name}")
         own |= {v.name() for v in vars(module).values() if isinstance(v, hop.HigherOrderOperator)}
-    assert own == {s.name for s in _spec.specs() if _operator._own(s.name)}
+    assert own == {s.name for s in _spec.specs() if _operator._own(s.name)} | _operator._OWN_DECOMPOSED
+    assert all(_operator._own(name) for name in own)
+    with pytest.raises(HopValueError, match="hop's own"):
+        hop.HigherOrderOperator("bounded_while")
     mine = hop.HigherOrderOperator("misuse_redefined")
     assert hop.HigherOrderOperator("misuse_redefined") is not mine  # a user op may be redefined
 

@@ -199,6 +199,11 @@ def _is_write_back(copy: torch.fx.Node, p: torch.fx.Node, node: torch.fx.Node, k
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_layout(a, b)
 
 
+_METADATA_READS = frozenset(
+    (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default)
+)
+
+
 def _old_value_read_after(placeholder: torch.fx.Node, first: torch.fx.Node, order: dict[torch.fx.Node, int]) -> bool:
     """Whether the carry's value before ``first`` writes it is read after that, directly
     or through a view of it (``r = buf[0]`` before the write, read after it, must see
@@ -214,13 +219,14 @@ def _old_value_read_after(placeholder: torch.fx.Node, first: torch.fx.Node, orde
     stack = [placeholder]
     while stack:
         for user in stack.pop().users:
-            if user is first or user in seen:
-                continue
+            if user is first or user in seen or user.target in _METADATA_READS:
+                continue  # a size the write does not change
             if order[user] > order[first]:
                 return True
             seen.add(user)
             view = getattr(user.target, "is_view", False) or user.target is operator.getitem
-            if view or (mine is not None and storage(user) == mine):
+            theirs = storage(user)  # None for a size read or any non-tensor value
+            if view or (mine is not None and theirs is not None and theirs == mine):
                 stack.append(user)  # a view (or a part of one): its readers read the carry too
     return False
 

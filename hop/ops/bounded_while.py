@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hop._operator import HigherOrderOperator
+from hop._operator import HigherOrderOperator, declare_own
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops.while_loop import while_loop
 
@@ -53,7 +53,7 @@ def _decomposition(
     return tuple(while_loop(cond, body, (counter, *carries))[1:])
 
 
-bounded_while_op = HigherOrderOperator(_NAME, decomposition=_decomposition)
+bounded_while_op = declare_own(HigherOrderOperator(_NAME, decomposition=_decomposition))
 
 
 def bounded_while(

@@ -244,3 +244,22 @@ def test_a_view_of_the_old_value_read_after_the_write_sees_the_old_rows() -> Non
         return hop.fori_loop(torch.tensor(1), torch.tensor(4), body, (buf, v))
 
     _matches_python(fn, lambda: torch.zeros(3, 2), torch.ones(2))
+
+
+def test_a_carry_whose_size_is_read_is_written_in_place() -> None:
+    # the size read is a node with no tensor value (the KV cache decoder's body, under
+    # AOTInductor, crashed comparing its storage)
+    def body(buf: torch.Tensor, v: torch.Tensor) -> Any:
+        last = torch.full((1,), buf.shape[0] - 1, dtype=torch.int64)
+        b = aten.index_copy.default(buf, 0, last, v[None])
+        return b, v * buf.shape[0]
+
+    gm = make_fx(body, tracing_mode="symbolic")(torch.zeros(4, 3), torch.ones(3))
+    assert aten.sym_size.int in {n.target for n in gm.graph.nodes}
+    want = gm(torch.zeros(4, 3), torch.ones(3))
+    buf_node = next(iter(gm.graph.find_nodes(op="placeholder")))  # an initial value of the same sizes
+    assert write_carries_in_place(gm, [buf_node]) == [0]
+    buf = torch.zeros(4, 3)
+    got = gm(buf, torch.ones(3))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(buf, want[0])
