@@ -34,6 +34,7 @@ __all__ = [
     "while_loop",
     "HopError",
     "debug",
+    "deploy",
     "errors",
     "registered_ops",
     "passes",
@@ -45,8 +46,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``hop.testing`` and ``hop.passes`` are imported on first use (for tests and for
-    optimizing traced programs, not for running programs)."""
-    if name in ("testing", "passes"):
+    """``hop.testing``, ``hop.passes`` and ``hop.deploy`` are imported on first use (for
+    tests, optimizing traced programs and deploying them, not for running programs)."""
+    if name in ("testing", "passes", "deploy"):
         return importlib.import_module(f"hop.{name}")
     raise AttributeError(f"module 'hop' has no attribute {name!r}")
