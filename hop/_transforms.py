@@ -44,6 +44,7 @@ __all__ = [
 
 _Tensor = torch.Tensor
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = _PLAIN_TYPES  # the types of plain tensors, for checks elsewhere
 # The 0.05 us checks an eager fast path makes (inline them: a call costs as much).
 mode_stack_len = torch._C._len_torch_dispatch_stack
 tf_mode_enabled = torch._C._is_torch_function_mode_enabled

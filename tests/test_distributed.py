@@ -10,18 +10,13 @@ process that averages the ranks' gradients itself.
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 
 import hop
 
@@ -140,47 +135,10 @@ def _train(name: str, rank: int) -> dict[str, list[Any]]:
     return {"grads": grads, "params": [_full(p) for p in wrapped.parameters()]}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    results: dict[str, Any] = {}
-    for name in MODELS:
-        try:
-            results[name] = _train(name, rank)
-        except Exception:  # reported by the test of that scenario
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every scenario's results on each rank, from one process group."""
-    out = tmp_path_factory.mktemp("ddp")
-    if sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out)), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=TIMEOUT_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    codes = [p.exitcode for p in procs]
-    files = [out / f"rank{r}.pt" for r in range(WORLD)]
-    if codes != [0] * WORLD or not all(f.exists() for f in files):
-        pytest.fail(f"DDP workers did not finish within {TIMEOUT_S}s or failed: exit codes {codes}")
-    return [torch.load(f, weights_only=False) for f in files]
+    return run_ranks(_train, list(MODELS), world=WORLD, timeout_s=TIMEOUT_S, folder=tmp_path_factory.mktemp("ddp"))
 
 
 def _single_process(name: str) -> dict[str, list[Any]]:

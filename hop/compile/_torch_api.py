@@ -1,6 +1,6 @@
 """What hop's compiler bridge needs of torch's private API, and what differs between torch versions.
 
-The bridge (:mod:`hop.compile` and :mod:`hop.passes.inductor`) talks to Dynamo,
+The bridge (:mod:`hop.compile`, :mod:`hop.passes.inductor` and :mod:`hop.deploy`) talks to Dynamo,
 AOTAutograd, Inductor and the ONNX exporter through names torch does not promise to keep. This module
 is the one list of them: :data:`PRIVATE` names every private symbol the bridge
 imports or reads (a test resolves each on the installed torch, and another checks
@@ -210,6 +210,14 @@ PRIVATE: tuple[Private, ...] = (
         "torch.onnx._internal.exporter._torchlib.ops",
         "torch.onnx._internal.exporter._torchlib._torchlib_registry.onnx_impl",
         "torch.onnx._internal.exporter._core",
+    ),
+    *_listed(
+        "hop.deploy._executorch and _executorch_ops (the translations for ExecuTorch)",
+        "torch._higher_order_ops.scan.scan",
+        "torch.fx.experimental.symbolic_shapes.guard_int",
+        "torch.fx.experimental.symbolic_shapes.statically_known_true",
+        "torch.utils._pytree.tree_leaves",
+        "torch.utils._pytree.tree_unflatten",
     ),
 )
 

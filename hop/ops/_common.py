@@ -69,7 +69,45 @@ def front(
         return op(_transforms.DYNAMO_CALL, public, *args, **kwargs)
     if _SINKS and _observe.claim():
         return _observe_calls.watch(name, public, args, kwargs or None)
+    if _subclass_without_rule(op, (args, kwargs)):  # Note [tensor subclasses run as Python]
+        return reference(*args, **kwargs)
     return NOT_TAKEN
+
+
+# Note [tensor subclasses run as Python]
+# In plain eager, a call whose operands, carries, xs, predicate or index include an
+# instance of a tensor subclass with its own __torch_dispatch__ (DTensor, TwoTensor, a
+# quantized weight), and for whose class the raw op has no registered rule, runs as
+# the plain Python program it stands for (the operator's reference): the callables
+# see the instances, a predicate is read as a Python ``if`` reads it, and autograd
+# records what runs. The raw op would reach the subclass's dispatch with hop's own
+# operator, which the subclass does not know. A rule registered with
+# ``op.py_impl(TheSubclass)`` takes such calls instead. Fake and functional tensors
+# are tracing's, not users' subclasses: modes decide their route.
+
+
+def _subclass_without_rule(op: Any, args: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    from hop._pytree import flatten
+
+    found = False
+    for leaf in flatten(args)[0]:
+        cls = type(leaf)
+        if not isinstance(leaf, _Tensor) or cls in _transforms.PLAIN_TYPES:
+            continue
+        if cls.__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl:
+            continue
+        if isinstance(leaf, (FakeTensor, FunctionalTensor)) or _has_rule(op, cls):
+            return False
+        found = True
+    return found and _transforms.in_plain_eager()
+
+
+def _has_rule(op: Any, cls: type) -> bool:
+    table = getattr(op, "python_key_table", {})
+    return any(base in table for base in cls.__mro__ if base is not _Tensor)
 
 
 def differentiable(x: Any) -> bool:

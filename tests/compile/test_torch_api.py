@@ -15,6 +15,7 @@ from hop.compile import _torch_api
 BRIDGE = [
     *sorted(pathlib.Path(hop.__file__).parent.joinpath("compile").glob("*.py")),
     pathlib.Path(hop.__file__).parent / "passes" / "inductor.py",
+    *sorted(pathlib.Path(hop.__file__).parent.joinpath("deploy").glob("*.py")),
 ]
 LISTED = {p.path for p in _torch_api.PRIVATE}
 
