@@ -9,6 +9,7 @@ are arguments (the words of a message, the values to look at).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ import torch.fx
 from torch._C._functorch import TransformType, _add_batch_dim
 
 from hop import _effects, _lifting, _observe, _observe_calls, _output_checks, _reference, _state, _tracing, _transforms
+from hop._pytree import flatten as _flatten
 from hop._unbacked import assert_ranges, recording
 from hop.errors import CompileUnsupported, MutationError, format_message
 
@@ -87,22 +89,28 @@ def front(
 
 
 def _subclass_without_rule(op: Any, args: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    from hop._pytree import flatten
-
     found = False
-    for leaf in flatten(args)[0]:
+    for leaf in _flatten(args)[0]:
         cls = type(leaf)
-        if not isinstance(leaf, _Tensor) or cls in _transforms.PLAIN_TYPES:
+        if cls in _transforms.PLAIN_TYPES or not isinstance(leaf, _Tensor):
             continue
-        if cls.__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl:
+        if cls.__torch_dispatch__ is _NO_DISPATCH:
             continue
-        if isinstance(leaf, (FakeTensor, FunctionalTensor)) or _has_rule(op, cls):
+        if isinstance(leaf, _tracing_tensor_types()) or _has_rule(op, cls):
             return False
         found = True
     return found and _transforms.in_plain_eager()
+
+
+_NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
+
+
+@functools.cache
+def _tracing_tensor_types() -> tuple[type, ...]:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (FakeTensor, FunctionalTensor)
 
 
 def _has_rule(op: Any, cls: type) -> bool:
