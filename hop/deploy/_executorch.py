@@ -44,6 +44,8 @@ def rewrite(ep: ExportedProgram, *, max_steps: int | None = None) -> ExportedPro
             format_message("deploy.for_executorch", f"max_steps must be a positive int or None, got {max_steps!r}"),
             role="max_steps",
         )
+    if _has_transforms(ep):  # vmap recorded as a region (training IR): applied to hop's nodes first
+        ep = ep.run_decompositions({})
     if _has_users_ops(ep):  # a user's operator becomes the trace of its decomposition first
         with _decomposed.inlined():
             ep = _reexport(ep.module(), ep)
@@ -70,6 +72,12 @@ def _has_users_ops(ep: ExportedProgram) -> bool:
     return any(_is_hop(n.target) and _hop_name(n) not in _OWN for n in _all_nodes(ep.graph_module))
 
 
+def _has_transforms(ep: ExportedProgram) -> bool:
+    return any(
+        getattr(n.target, "__module__", "") == "torch._functorch.predispatch" for n in _all_nodes(ep.graph_module)
+    )
+
+
 def _hop_name(node: torch.fx.Node) -> str:
     target: Any = node.target
     return str(target.name())
@@ -89,15 +97,24 @@ def _rewrite(gm: torch.fx.GraphModule, max_steps: int | None) -> None:
                 raise CompileUnsupported(f"{e} (the call at {where})") from None
             node.kwargs = {}
             for a in node.all_input_nodes:
-                sub = getattr(gm, a.target) if a.op == "get_attr" else None
+                sub = _attr(gm, a.target) if a.op == "get_attr" else None
                 if isinstance(sub, torch.fx.GraphModule):
                     sub = ops.prepare(sub)
                     _rewrite(sub, max_steps)  # the operators nested in it
-                    setattr(gm, a.target, sub)
+                    owner, _, leaf = str(a.target).rpartition(".")
+                    setattr(_attr(gm, owner) if owner else gm, leaf, sub)
         elif _is_hops_assert(node):
             _erase_with_inputs(gm.graph, node)
     gm.graph.lint()
     gm.recompile()
+
+
+def _attr(gm: torch.nn.Module, target: Any) -> Any:
+    """What a get_attr node reads (a subgraph, or a parameter at a dotted path)."""
+    value: Any = gm
+    for part in str(target).split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _source_line(node: torch.fx.Node) -> str | None:
@@ -151,7 +168,7 @@ def _switch(gm: torch.fx.GraphModule, node: torch.fx.Node, _max: int | None) -> 
 
 def _while(gm: torch.fx.GraphModule, node: torch.fx.Node, max_steps: int | None) -> Translation:
     cond_node, body_node, carries, additional = _args(node)
-    cond_gm, body_gm = getattr(gm, cond_node.target), getattr(gm, body_node.target)
+    cond_gm, body_gm = _attr(gm, cond_node.target), _attr(gm, body_node.target)
     for k, (c, out) in enumerate(zip(carries, pytree.tree_leaves(node.meta["val"]), strict=True)):
         before = c.meta.get("val") if isinstance(c, torch.fx.Node) else c
         if isinstance(before, torch.Tensor) and isinstance(out, torch.Tensor) and before.shape != out.shape:

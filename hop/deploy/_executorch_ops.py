@@ -30,17 +30,16 @@ def _leaves(out: Any) -> list[Any]:
 
 
 def _aliasing_outputs(gm: torch.fx.GraphModule) -> list[bool]:
-    """Which outputs of ``gm`` are one of its inputs, a view of one, or an output seen
-    before: torch's control flow refuses those, so they are returned as copies."""
+    """Which outputs of ``gm`` are one of its inputs, a view, or an output seen before:
+    torch's control flow refuses those, so they are returned as dense copies."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = _leaves(output.args[0])
     seen: set[Any] = set()
     marks = []
     for out in outs:
-        node = out
-        while isinstance(node, torch.fx.Node) and node.op == "call_function" and _is_view(node.target):
-            node = node.args[0]
-        alias = (isinstance(node, torch.fx.Node) and node.op == "placeholder") or (out in seen)
+        # a view of anything: torch's cond takes dense outputs only (a slice is not)
+        view = isinstance(out, torch.fx.Node) and out.op == "call_function" and _is_view(out.target)
+        alias = view or (isinstance(out, torch.fx.Node) and out.op == "placeholder") or (out in seen)
         marks.append(alias)
         if isinstance(out, torch.fx.Node):
             seen.add(out)
@@ -102,7 +101,9 @@ def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.op == "output":
             outs = [number(o) for o in _leaves(node.args[0])]
             fresh = [
-                graph.call_function(aten.clone.default, (o,)) if copy and isinstance(o, torch.fx.Node) else o
+                graph.call_function(aten.clone.default, (o,), {"memory_format": torch.contiguous_format})
+                if copy and isinstance(o, torch.fx.Node)
+                else o
                 for o, copy in zip(outs, aliasing, strict=True)
             ]
             graph.output(tuple(fresh))
@@ -156,8 +157,18 @@ def fail_unless(ok: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.where(gate, value, value)
 
 
+# Note [a cond's outputs copied at once]: ExecuTorch 1.5.1 plans the outputs of two
+# torch.cond calls of one program into one buffer, so the second overwrites the
+# first's values while they are still to be read (two conds on scalars, in a loop's
+# body or not, gave the second's value for both: silently). A copy made right after each
+# cond, before anything else runs, keeps the values; it costs one copy of the outputs.
+def _cond(pred: Any, true_fn: Fn, false_fn: Fn, operands: tuple[Any, ...]) -> tuple[Any, ...]:
+    out = torch.cond(pred, true_fn, false_fn, operands)
+    return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+
+
 def as_cond(pred: Any, true_fn: Fn, false_fn: Fn, operands: Sequence[Any], single: bool) -> Any:
-    out = torch.cond(pred, true_fn, false_fn, tuple(operands))
+    out = _cond(pred, true_fn, false_fn, tuple(operands))
     return out[0] if single else tuple(out)
 
 
@@ -173,7 +184,7 @@ def as_switch(index: torch.Tensor, operands: Sequence[Any], branches: Sequence[F
         if j == n - 1:
             return lambda _k, *ops: fns[j](*ops)
         rest = from_(j + 1)
-        return lambda k_, *ops: tuple(torch.cond(k_ == j, lambda _k, *o: fns[j](*o), rest, (k_, *ops)))
+        return lambda k_, *ops: _cond(k_ == j, lambda _k, *o: fns[j](*o), rest, (k_, *ops))
 
     out = from_(0)(k, *operands)
     return out[0] if single else tuple(out)
@@ -201,15 +212,21 @@ def as_while_loop(
         if exact:
             return list(body(*c, *add)), []
         go = _pred(cond_fn(*c, *add)[0])
-        return list(torch.cond(go, body, keep, (*c, *add))), []
+        return list(_cond(go, body, keep, (*c, *add))), []
 
     counter = torch.arange(steps, device=_device(carries))
-    final, _ = torch_scan(step, list(carries), [counter])
+    final, _ = torch_scan(step, _dense(carries), [counter])
     if not exact:
         running = _pred(cond_fn(*final, *add)[0])
         stopped = torch.logical_not(torch.as_tensor(running))
         final = [fail_unless(stopped, v) for v in final]  # each: the program may return any one
     return tuple(final)
+
+
+def _dense(carries: Sequence[Any]) -> list[Any]:
+    """Initial carries laid out as the body's outputs will be: torch's scan wants one
+    layout for both (a slice or a vmapped carry is strided)."""
+    return [c.contiguous() if isinstance(c, torch.Tensor) else c for c in carries]
 
 
 def _device(values: Sequence[Any]) -> torch.device:
@@ -227,7 +244,7 @@ def as_scan(
         out = body(*c[len(dummy) :], *x, *add)
         return [d.clone() for d in c[: len(dummy)]] + list(out[:n]), list(out[n:])
 
-    final, ys = torch_scan(step, dummy + list(init), list(xs), reverse=reverse)
+    final, ys = torch_scan(step, dummy + _dense(init), list(xs), reverse=reverse)
     return (*final[len(dummy) :], *ys)
 
 
@@ -248,7 +265,7 @@ def as_associative_scan(combine_fn: Fn, xs: Sequence[Any], additional: Sequence[
         new = [torch.where(t == 0, r, o) for r, o in zip(row, out, strict=True)]
         return new, [v.clone() for v in new]
 
-    first = [x[0].clone() for x in xs]
+    first = [x[0].clone(memory_format=torch.contiguous_format) for x in xs]
     position = torch.arange(xs[0].shape[0], device=xs[0].device)
     _, ys = torch_scan(step, first, [position, *xs])
     return ys[0] if single else tuple(ys)

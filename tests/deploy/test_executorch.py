@@ -273,3 +273,32 @@ class ShapePredicate(torch.nn.Module):
 def test_a_predicate_on_a_size() -> None:
     cases = [(torch.randn(6),), (torch.randn(3),)]
     deploy_and_check(ShapePredicate(), cases, dynamic_shapes=({0: Dim("n", min=1, max=8)},))
+
+
+class TwoConds(torch.nn.Module):
+    """Two conds whose outputs are read after both ran: ExecuTorch 1.5.1 planned them into
+    one buffer (the second's value came back for both, silently) until each cond's
+    outputs were copied at once (Note [a cond's outputs copied at once])."""
+
+    def __init__(self, loop: bool) -> None:
+        super().__init__()
+        self.loop = loop
+
+    def forward(self, t: torch.Tensor, h: torch.Tensor, x: torch.Tensor) -> Any:
+        def step(t: torch.Tensor, h: torch.Tensor) -> Any:
+            accept = (t * x).sum() < 2
+            t = hop.cond(accept, lambda t, h: t + h, lambda t, h: t, (t, h))
+            h = hop.cond(accept, lambda h: h * 1.5, lambda h: h * 0.5, (h,))
+            return t, h
+
+        if self.loop:
+            return hop.while_loop(lambda t, h: t < 1.0, step, (t, h))
+        return step(t, h)
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_two_conds_read_after_both_ran(loop: bool) -> None:
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    cases = [(torch.tensor(0.0, dtype=torch.float64), torch.tensor(0.25, dtype=torch.float64), x)]
+    cases.append((cases[0][0], cases[0][1], -x))
+    deploy_and_check(TwoConds(loop), cases, max_steps=50)
