@@ -120,11 +120,28 @@ def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         elif holds and node.target is aten.scalar_tensor.default:
             dtype = node.kwargs.get("dtype") or torch.get_default_dtype()
             env[node] = graph.call_function(aten._to_copy.default, (env[node.args[0]],), {"dtype": dtype})
+        elif holds and node.target is aten.full.default and node.args[1] in kept:
+            dtype = node.kwargs.get("dtype") or torch.get_default_dtype()
+            env[node] = graph.call_function(_filled, (new(node.args[0]), env[node.args[1]], dtype))
+        elif holds and _tensor_overload(node.target) is not None:  # le.Scalar(x, i): le.Tensor(x, i)
+            env[node] = graph.call_function(_tensor_overload(node.target), new(node.args), number(node.kwargs))
         elif holds:
             env[node] = graph.call_function(node.target, _tensor_slots(node, new, number), number(node.kwargs))
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     return torch.fx.GraphModule(gm, graph)
+
+
+def _filled(size: Any, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.full(size, value)`` for a 0-d tensor ``value``."""
+    return value.to(dtype).expand(size).clone()
+
+
+def _tensor_overload(target: Any) -> Any:
+    """The ``.Tensor`` overload of a ``.Scalar`` one (``aten.le.Scalar``), else None."""
+    if not isinstance(target, torch._ops.OpOverload) or target._overloadname != "Scalar":
+        return None
+    return getattr(target.overloadpacket, "Tensor", None)
 
 
 def _zero_dim(node: Any) -> bool:
