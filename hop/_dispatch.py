@@ -288,7 +288,7 @@ def _pre_dispatch(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         mode = _pre_dispatch_mode()
         _refuse_grad_level(op)
         _refuse_lost_tensors(op, mode, args)
-        handler = _lookup(op.python_key_table, type(mode))
+        handler = lookup_rule(op.python_key_table, type(mode))
         if handler is None and op._hop_decomposition is not None:
             return _decomposed(op, op._hop_decomposition, mode, args, kwargs, _K.PreDispatch)
         if handler is None:
@@ -426,7 +426,7 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
     mode = _get_current_dispatch_mode()
     if mode is not None:
-        handler = _lookup(op.python_key_table, type(mode))
+        handler = lookup_rule(op.python_key_table, type(mode))
         if handler is not None:
             _record(op, _K.Python, "mode", handler, type(mode).__name__)
             with _pop_mode_temporarily() as popped, rewrites_reentered():
@@ -454,10 +454,10 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             continue
         seen.append(cls)
         if isinstance(t, FakeTensor):
-            handler = _lookup(op.python_key_table, FakeTensorMode)
+            handler = lookup_rule(op.python_key_table, FakeTensorMode)
             call_args: tuple[Any, ...] = (t.fake_mode, *args)
         else:
-            handler = _lookup(op.python_key_table, cls)
+            handler = lookup_rule(op.python_key_table, cls)
             call_args = args
         if handler is None and op._hop_decomposition is not None:
             _record(op, _K.Python, "decomposition", None, cls.__qualname__)
@@ -569,8 +569,9 @@ def _all_not_implemented(op: Operator, mode: Any, seen: list[type]) -> HopRuntim
 # --- kernel lookup ----------------------------------------------------------------
 
 
-def _lookup(table: dict[Any, Kernel], cls: type) -> Kernel | None:
-    """The rule registered for ``cls`` or its nearest base class."""
+def lookup_rule(table: dict[Any, Kernel], cls: type) -> Kernel | None:
+    """The rule registered for ``cls`` or its nearest base class (also asked before a
+    public function's call reaches the dispatcher: Note [tensor subclasses run as Python])."""
     for base in cls.__mro__:
         rule = table.get(base)
         if rule is not None:

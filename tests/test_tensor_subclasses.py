@@ -82,15 +82,24 @@ def test_a_predicate_that_is_a_subclass_is_read_as_python_reads_it() -> None:
     torch.testing.assert_close(out.a, torch.zeros(3))
 
 
+class Marked(TwoTensor):
+    """A subclass with a rule of its own on hop.scan's raw op (registered once, below)."""
+
+
+class _RuleRan(Exception):
+    pass
+
+
+def _marked_scan_rule(*args: Any) -> Any:
+    raise _RuleRan
+
+
+torch.ops.hop.scan.py_impl(Marked)(_marked_scan_rule)
+
+
 def test_a_registered_rule_takes_the_subclass() -> None:
-    op = hop.HigherOrderOperator("subclass_rule_probe")
-    seen = []
-
-    @op.py_impl(TwoTensor)
-    def rule(fn: Any, x: Any) -> Any:
-        seen.append(type(x))
-        return fn(x)
-
-    t = TwoTensor(torch.ones(2), torch.ones(2))
-    op(lambda x: x + 1, t)
-    assert seen == [TwoTensor]
+    t = Marked(torch.ones(3, 2), torch.ones(3, 2))
+    with pytest.raises(_RuleRan):  # not the plain Python program
+        hop.scan(lambda c, x: (c + x, c), torch.zeros(2), t)
+    plain = TwoTensor(torch.ones(3, 2), torch.ones(3, 2))
+    assert isinstance(hop.scan(lambda c, x: (c + x, c), torch.zeros(2), plain)[0], TwoTensor)

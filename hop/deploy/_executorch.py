@@ -169,13 +169,13 @@ def _switch(gm: torch.fx.GraphModule, node: torch.fx.Node, _max: int | None) -> 
 def _while(gm: torch.fx.GraphModule, node: torch.fx.Node, max_steps: int | None) -> Translation:
     cond_node, body_node, carries, additional = _args(node)
     cond_gm, body_gm = _attr(gm, cond_node.target), _attr(gm, body_node.target)
-    for k, (c, out) in enumerate(zip(carries, pytree.tree_leaves(node.meta["val"]), strict=True)):
+    for c, out in zip(carries, pytree.tree_leaves(node.meta["val"]), strict=True):
         before = c.meta.get("val") if isinstance(c, torch.fx.Node) else c
         if isinstance(before, torch.Tensor) and isinstance(out, torch.Tensor) and before.shape != out.shape:
             raise CompileUnsupported(
                 format_message(
                     "while_loop",
-                    f"carry {k} changes shape ({tuple(before.shape)} to {tuple(out.shape)}); "
+                    f"a carry changes shape ({tuple(before.shape)} to {tuple(out.shape)}); "
                     "ExecuTorch's loops keep their carries' shapes",
                 )
             )
@@ -223,12 +223,12 @@ def _val(node: Any) -> Any:
 def _refuse_dynamic_carries(name: str, carries: list[Any]) -> None:
     """ExecuTorch 1.5's scan copies each step's carries into buffers of the exported
     size, and fails on any other (torch's own scan alike): a carry's size must not vary."""
-    for k, val in enumerate(carries):
+    for val in carries:  # named by its shape: a loop's carries are numbered after hop's own
         if isinstance(val, torch.Tensor) and any(not isinstance(d, int) for d in val.shape):
             raise CompileUnsupported(
                 format_message(
                     name,
-                    f"carry {k} has a size that varies between calls ({tuple(val.shape)}); "
+                    f"a carry of shape {tuple(val.shape)} varies in size between calls; "
                     "ExecuTorch's loops take carries of one size",
                     fix="Export with that size static (no Dim on the inputs it comes from), or carry a "
                     "buffer of the largest size.",

@@ -19,7 +19,18 @@ import torch
 import torch.fx
 from torch._C._functorch import TransformType, _add_batch_dim
 
-from hop import _effects, _lifting, _observe, _observe_calls, _output_checks, _reference, _state, _tracing, _transforms
+from hop import (
+    _dispatch,
+    _effects,
+    _lifting,
+    _observe,
+    _observe_calls,
+    _output_checks,
+    _reference,
+    _state,
+    _tracing,
+    _transforms,
+)
 from hop._pytree import flatten as _flatten
 from hop._unbacked import assert_ranges, recording
 from hop.errors import CompileUnsupported, MutationError, format_message
@@ -114,8 +125,7 @@ def _tracing_tensor_types() -> tuple[type, ...]:
 
 
 def _has_rule(op: Any, cls: type) -> bool:
-    table = getattr(op, "python_key_table", {})
-    return any(base in table for base in cls.__mro__ if base is not _Tensor)
+    return _dispatch.lookup_rule(op.python_key_table, cls) is not None
 
 
 def differentiable(x: Any) -> bool:
