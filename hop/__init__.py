@@ -12,14 +12,14 @@ from hop.compile import dynamo as _dynamo  # noqa: F401  (Dynamo handlers, regis
 from hop.compile import inductor as _inductor  # noqa: F401  (Inductor lowerings, registered when torch loads Inductor)
 from hop.compile import onnx as _onnx  # noqa: F401  (ONNX translations, registered when torch loads its exporter)
 from hop.errors import HopError
-from hop.ops.associative_scan import associative_scan
-from hop.ops.bounded_while import bounded_while
-from hop.ops.cond import cond
-from hop.ops.fori_loop import fori_loop
-from hop.ops.map import map
-from hop.ops.scan import scan
-from hop.ops.switch import switch
-from hop.ops.while_loop import while_loop
+from hop.ops.branching.cond import cond
+from hop.ops.branching.switch import switch
+from hop.ops.scanning.associative_scan import associative_scan
+from hop.ops.scanning.map import map
+from hop.ops.scanning.scan import scan
+from hop.ops.while_loops.bounded_while import bounded_while
+from hop.ops.while_loops.fori_loop import fori_loop
+from hop.ops.while_loops.while_loop import while_loop
 
 __all__ = [
     "HigherOrderOperator",

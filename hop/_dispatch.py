@@ -42,12 +42,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
-from torch._C._functorch import TransformType
-from torch._ops import resolve_key
 from torch.utils._python_dispatch import (
     _get_current_dispatch_mode,
     _pop_mode_temporarily,
@@ -55,42 +53,13 @@ from torch.utils._python_dispatch import (
 
 from hop import _observe, _records, _state
 from hop._closures import closure_tensors
+from hop._export_refusals import refuse_grad_level, refuse_lost_tensors
+from hop._kernels import Derived, Kernel, Operator, all_not_implemented, find_kernel, lookup_rule, unsupported_mode
+from hop._pytree import map_tensors, tensors_in
 from hop._transforms import callers_rewrites, is_user_mode, nothing_active, rewrites_reentered
-from hop.errors import HopRuntimeError, MissingRuleError, UnsupportedModeError, format_message
+from hop.errors import MissingRuleError, format_message
 
-__all__ = ["Operator", "call", "dispatch", "tensors_in", "map_tensors"]
-
-Kernel = Callable[..., Any]
-
-
-class Operator(Protocol):
-    """What the dispatcher reads of an operator: torch's tables of rules, and hop's cache
-    of resolved kernels (``hop.HigherOrderOperator`` is one; the dispatcher, below it,
-    does not import it)."""
-
-    @property
-    def _hop_kernels(self) -> dict[DispatchKey, Kernel]: ...
-    @property
-    def py_kernels(self) -> Any: ...
-    @property
-    def functorch_table(self) -> Any: ...
-    @property
-    def python_key_table(self) -> Any: ...
-    @property
-    def non_fallthrough_keys(self) -> DispatchKeySet: ...
-    @property
-    def _hop_decomposition(self) -> Derived | None: ...
-    def name(self) -> str: ...
-
-
-class Derived(Protocol):
-    """The rules an operator defined by a decomposition derives from it, for every route
-    it has no rule of its own for (Note [an operator from its decomposition] in
-    ``hop._decomposed``)."""
-
-    def run(self, args: Any, kwargs: dict[str, Any]) -> Any: ...
-    def proxy(self, op: Any, mode: Any, args: Any, kwargs: dict[str, Any]) -> Any: ...
-
+__all__ = ["Operator", "call", "dispatch"]
 
 _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter is a Tensor that disables __torch_function__
@@ -128,38 +97,6 @@ TRACER_KEYS = (
     - torch._C._dispatch_keyset_full_after(_K.AutogradNestedTensor)
     - DispatchKeySet(_K.AutogradNestedTensor)
 )
-
-
-# --- argument walking -----------------------------------------------------
-
-
-def tensors_in(tree: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The tensors in nested tuples, lists and dicts, in order (no pytree cost)."""
-    if out is None:
-        out = []
-    if isinstance(tree, _Tensor):
-        out.append(tree)
-    elif type(tree) in (tuple, list):
-        for x in tree:
-            if isinstance(x, _Tensor):
-                out.append(x)
-            elif type(x) in (tuple, list, dict):
-                tensors_in(x, out)
-    elif type(tree) is dict:
-        for x in tree.values():
-            tensors_in(x, out)
-    return out
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples, lists and dicts."""
-    if isinstance(tree, _Tensor):
-        return fn(tree)
-    if type(tree) in (tuple, list):
-        return type(tree)(map_tensors(fn, x) for x in tree)
-    if type(tree) is dict:
-        return {k: map_tensors(fn, v) for k, v in tree.items()}
-    return tree
 
 
 def _record(op: Operator, key: Any, route: str, kernel: Any = None, detail: Any = None) -> None:
@@ -241,7 +178,7 @@ def _plain_kernel(op: Operator, args: tuple[Any, ...]) -> Kernel | None:
     if grad and _closures_need_grad([], args):  # the Autograd route differentiates what they read
         return None
     key = _K.CPU if on_cpu else _K.Meta
-    return op._hop_kernels.get(key) or _kernel(op, key)
+    return op._hop_kernels.get(key) or find_kernel(op, key)
 
 
 def _highest_key(op: Operator, tensors: Iterable[torch.Tensor]) -> DispatchKey:
@@ -266,7 +203,7 @@ def dispatch(op: Operator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict
     if torch._C._dispatch_is_included_in_alias(key, _K.Autograd):
         return _autograd(op, key, args, kwargs)
     if key == _K.Functionalize:
-        kernel = _kernel(op, key, "functionalize rule", "Functionalize")
+        kernel = find_kernel(op, key, "functionalize rule", "Functionalize")
         _record(op, key, "kernel", kernel)
         return kernel(*args, **kwargs)
     if key == _K.Python:
@@ -275,7 +212,7 @@ def dispatch(op: Operator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict
         # functorch wrappers that outlived their transform: unwrap and go on.
         args, kwargs = map_tensors(torch._C._functorch.unwrap_if_dead, (args, kwargs))
         return redispatch(op, args, kwargs)
-    kernel = op._hop_kernels.get(key) or _kernel(op, key)
+    kernel = op._hop_kernels.get(key) or find_kernel(op, key)
     _record(op, key, "kernel", kernel)
     return kernel(*args, **kwargs)
 
@@ -286,67 +223,18 @@ def dispatch(op: Operator, key: DispatchKey, args: tuple[Any, ...], kwargs: dict
 def _pre_dispatch(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if _pre_dispatch_stack_len() > 0 and not torch._C._dispatch_tls_is_dispatch_key_excluded(_K.Python):
         mode = _pre_dispatch_mode()
-        _refuse_grad_level(op)
-        _refuse_lost_tensors(op, mode, args)
+        refuse_grad_level(op)
+        refuse_lost_tensors(op, mode, args)
         handler = lookup_rule(op.python_key_table, type(mode))
         if handler is None and op._hop_decomposition is not None:
             return _decomposed(op, op._hop_decomposition, mode, args, kwargs, _K.PreDispatch)
         if handler is None:
-            raise _unsupported_mode(op, mode)
+            raise unsupported_mode(op, mode)
         _record(op, _K.PreDispatch, "mode", handler, type(mode).__name__)
         with _pop_mode_temporarily(_K.PreDispatch) as popped, rewrites_reentered():
             return handler(popped, *args, **kwargs)
     with torch._C._ExcludeDispatchKeyGuard(DispatchKeySet(_K.PreDispatch)):
         return redispatch(op, args, kwargs)
-
-
-def _refuse_grad_level(op: Operator) -> None:
-    """``torch.func.grad`` (or ``vjp``) inside a function torch.export traces: its
-    pre-dispatch tracer meets the operator above the transform, so the operator's
-    operands are the transform's wrappers, which the tracer records as constants (the
-    exported program returned FakeTensors). torch cannot export ``torch.func.grad``
-    of a plain Python program either, so this is refused, naming the operator."""
-    stack = torch._C._functorch.get_interpreter_stack() or ()
-    if any(interpreter.key() == TransformType.Grad for interpreter in stack):  # grad(vmap(f)) too
-        raise HopRuntimeError(
-            format_message(
-                op.name(),
-                "torch.func.grad inside a function torch.export traces cannot be exported (torch.export "
-                "cannot record the transform's steps, for a plain Python program either)",
-                fix="Export the function without the transform and take torch.func.grad of ep.module(), "
-                "or trace the gradient with make_fx(torch.func.grad(f), tracing_mode='symbolic').",
-            ),
-            op=op.name(),
-        )
-
-
-def _refuse_lost_tensors(op: Operator, mode: Any, args: tuple[Any, ...]) -> None:
-    """A tensor made by a factory function (``torch.zeros``) under ``torch.func.jvp``
-    inside a function torch.export traces is a transform wrapper of a FakeTensor that
-    export's pre-dispatch tracer never sees: it would be recorded as a constant fake (a
-    loop counter made so ran the wrong number of steps, silently; a plain program
-    returns FakeTensors). Refused, naming the way out."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx.experimental.proxy_tensor import get_proxy_slot
-
-    for t in tensors_in(args):
-        if not torch._C._functorch.is_functorch_wrapped_tensor(t) or get_proxy_slot(t, mode.tracer, None) is not None:
-            continue
-        inner = t
-        while torch._C._functorch.is_functorch_wrapped_tensor(inner):
-            inner = torch._C._functorch.get_unwrapped(inner)
-        if isinstance(inner, FakeTensor):
-            raise HopRuntimeError(
-                format_message(
-                    op.name(),
-                    f"an operand of shape {tuple(t.shape)} was made by a factory function (torch.zeros, "
-                    "torch.ones, ...) inside a torch.func transform in a function torch.export traces; export's "
-                    "tracer never sees such a tensor (in a plain program either) and would bake in a fake value",
-                    fix="Make it from an input with a tensor method (x.new_zeros(()), x.new_ones(3)) or outside the "
-                    "transform and pass it in.",
-                ),
-                op=op.name(),
-            )
 
 
 def _functorch(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -386,7 +274,7 @@ def _autograd(op: Operator, key: DispatchKey, args: tuple[Any, ...], kwargs: dic
                 return dispatch(op, below, args, kwargs)  # Note [callables run with autograd on]
         with _BelowAutograd():
             return redispatch(op, args, kwargs)
-    kernel = _kernel(op, key, "autograd rule", "Autograd")
+    kernel = find_kernel(op, key, "autograd rule", "Autograd")
     _record(op, key, "kernel", kernel)
     return kernel(*args, **kwargs)
 
@@ -446,7 +334,7 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         elif is_user_mode(mode):
             return _past_user_mode(op, args, kwargs, mode)
         else:  # a tracing mode other operators have a rule for
-            raise _unsupported_mode(op, mode)
+            raise unsupported_mode(op, mode)
     seen: list[type] = []
     for t in tensors_in((args, kwargs)):
         cls = type(t)
@@ -477,7 +365,7 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             result = handler(*call_args, **kwargs)
         if result is not NotImplemented:
             return result
-    raise _all_not_implemented(op, mode, seen)
+    raise all_not_implemented(op, mode, seen)
 
 
 def _receives_hops(mode: Any) -> bool:
@@ -525,7 +413,7 @@ def _under_modes(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any], mo
     for t in tensors[1:]:
         keys = keys | torch._C._dispatch_keys(t)
     key = (keys & _BELOW_PYTHON & op.non_fallthrough_keys).highestPriorityTypeId()
-    kernel = op._hop_kernels.get(key) or _kernel(op, key)
+    kernel = op._hop_kernels.get(key) or find_kernel(op, key)
     _record(op, key, "kernel under user mode", kernel, type(mode).__name__)
     if not _is_excluded(_AUTOGRAD):
         return kernel(*args, **kwargs)
@@ -537,84 +425,3 @@ def _under_modes(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any], mo
         return kernel(*args, **kwargs)
     finally:
         _set_excluded(_AUTOGRAD, True)
-
-
-def _all_not_implemented(op: Operator, mode: Any, seen: list[type]) -> HopRuntimeError:
-    """Nothing at the Python key handled the call: the active mode (its rule or its
-    ``__torch_dispatch__``) and every tensor subclass returned NotImplemented."""
-    name = op.name()
-    subclasses = ", ".join(c.__qualname__ for c in seen) or "none"
-    if mode is None:
-        return MissingRuleError(
-            format_message(
-                name,
-                f"every rule for the tensor subclasses ({subclasses}) returned NotImplemented",
-                fix="Make one of them handle the operator.",
-            ),
-            op=name,
-        )
-    mode_name = type(mode).__qualname__
-    return UnsupportedModeError(
-        format_message(
-            name,
-            f"the active TorchDispatchMode {mode_name} returned NotImplemented for this operator "
-            f"and no tensor subclass argument ({subclasses}) handled it",
-            fix=f"Handle it in {mode_name}.__torch_dispatch__ (`return func(*args, **kwargs)` runs it "
-            f"as usual), or register a rule with @torch.ops.hop.{name}.py_impl({mode_name}).",
-        ),
-        op=name,
-    )
-
-
-# --- kernel lookup ----------------------------------------------------------------
-
-
-def lookup_rule(table: dict[Any, Kernel], cls: type) -> Kernel | None:
-    """The rule registered for ``cls`` or its nearest base class (also asked before a
-    public function's call reaches the dispatcher: Note [tensor subclasses run as Python])."""
-    for base in cls.__mro__:
-        rule = table.get(base)
-        if rule is not None:
-            return rule
-    return None
-
-
-def _kernel(op: Operator, key: DispatchKey, what: str = "kernel", target: str = "CompositeExplicitAutograd") -> Kernel:
-    """The kernel for ``key`` (direct, alias or CompositeExplicitAutograd), cached per key."""
-    kernel: Kernel | None = op._hop_kernels.get(key)
-    if kernel is not None:
-        return kernel
-    try:
-        kernel = op.py_kernels.get(resolve_key(cast(torch._ops.OperatorBase, op), key))
-    except NotImplementedError:
-        kernel = None
-    if (kernel is None or isinstance(kernel, DispatchKey)) and op._hop_decomposition is not None:
-        derived = op._hop_decomposition
-
-        def kernel(*args: Any, **kwargs: Any) -> Any:
-            return derived.run(args, kwargs)
-
-    if kernel is None or isinstance(kernel, DispatchKey):
-        raise MissingRuleError(
-            format_message(
-                op.name(),
-                f"has no {what} for dispatch key {key.name}",
-                fix=f"Register one with @torch.ops.hop.{op.name()}.py_impl(DispatchKey.{target}).",
-            ),
-            op=op.name(),
-        )
-    op._hop_kernels[key] = kernel
-    return kernel
-
-
-def _unsupported_mode(op: Operator, mode: Any) -> UnsupportedModeError:
-    name = type(mode).__qualname__
-    return UnsupportedModeError(
-        format_message(
-            op.name(),
-            f"the active TorchDispatchMode {name} has no rule for this operator",
-            fix=f"Register one with @torch.ops.hop.{op.name()}.py_impl({name}), or set "
-            f"{name}.supports_higher_order_operators = True to receive hop operators in its __torch_dispatch__.",
-        ),
-        op=op.name(),
-    )

@@ -2,15 +2,15 @@
 
 Note [the eager inline cache]
 A plain eager cond/switch whose signature is validated runs one branch and then
-checks what Python checks (hop/ops/_inline.py holds the same function in Python,
+checks what Python checks (hop/ops/branching/_call_cache.py holds the same function in Python,
 used where this module is not built, and is the reference for it). Written in
 Python, the checks alone cost about a Python `if` (every tensor attribute read is
 ~45 ns through the interpreter): this module makes them a few struct reads.
 
-An entry of the inline cache is made by Python (hop.ops._inline.remember) after a
+An entry of the inline cache is made by Python (hop.ops.branching._call_cache.remember) after a
 call found its verdict; it is keyed by a fold of the addresses of the branches'
 code (a builtin's own address) and the operand's dtype, rank and device, and is a
-hop.ops._inline.Entry (a NamedTuple, read here by position; configure() checks
+hop.ops.branching._call_cache.Entry (a NamedTuple, read here by position; configure() checks
 that its fields are ENTRY_FIELDS, in order):
 
     (items, dtype, ndim, device, kinds, usual, names, key)
@@ -41,7 +41,7 @@ read as Python reads it (meta, several elements) is a NOT_TAKEN, and Python expl
 #include <Python.h>
 
 static PyObject *Tensor;         /* torch.Tensor */
-static PyObject *NOT_TAKEN;           /* hop.ops._inline.NOT_TAKEN */
+static PyObject *NOT_TAKEN;           /* hop.ops.branching._call_cache.NOT_TAKEN */
 static PyObject *config;         /* the hop.config module's __dict__ */
 static PyObject *reference;      /* the hop._reference module's __dict__ (ACTIVE: threads in reference()) */
 static PyObject *sinks;          /* hop.debug.SINKS (a list) */
@@ -270,7 +270,7 @@ known_kind(PyObject *out, PyObject *kinds, PyObject *usual)
     return yes;
 }
 
-/* 1 when no branch can read a tensor but its argument (hop.ops._zero_grads.
+/* 1 when no branch can read a tensor but its argument (hop.ops.branching._untaken_grads.
    reads_nothing of each, the same: Note [untaken branches get zero gradients]),
    0 when Python must decide, -1 on error. */
 static int
@@ -301,7 +301,7 @@ still_plain(PyObject *e, PyObject *const *fns, Py_ssize_t n)
 }
 
 /* 1 when out's autograd graph reaches x within REACH nodes, visited breadth first
-   from out.grad_fn (hop.ops._inline.reaches, the same): then x gets its gradient
+   from out.grad_fn (hop.ops.branching._call_cache.reaches, the same): then x gets its gradient
    from the branch that ran and no zero-gradient node is needed (Note [untaken
    branches get zero gradients]); 0 if not, -1 on error. */
 #define REACH 8
@@ -551,7 +551,7 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
     if (!same) {
         PyErr_Format(PyExc_RuntimeError,
                      "hop._fastpath reads entries as (items, dtype, ndim, device, kinds, usual, names, key), "
-                     "but hop.ops._inline.Entry has the fields %R: rebuild the extension (pip install -e .)",
+                     "but hop.ops.branching._call_cache.Entry has the fields %R: rebuild the extension (pip install -e .)",
                      fields);
         return NULL;
     }
@@ -565,7 +565,7 @@ configure(PyObject *self, PyObject *args, PyObject *kwargs)
 
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
-     "Give the module what it reads (hop.ops._inline does, once)."},
+     "Give the module what it reads (hop.ops.branching._call_cache does, once)."},
     {"key", (PyCFunction)(void (*)(void))fast_key, METH_FASTCALL,
      "key(branches, x): the key of the entry for these branches and this operand (None: never cached)."},
     {"cond", (PyCFunction)(void (*)(void))fast_cond, METH_FASTCALL,

@@ -1,4 +1,4 @@
-"""hop's C module (hop/_fastpath.c): Note [the eager inline cache] in hop.ops._inline."""
+"""hop's C module (hop/_fastpath.c): Note [the eager inline cache] in hop.ops.branching._call_cache."""
 
 from collections.abc import Callable
 from typing import Any

@@ -2,7 +2,7 @@
 
 The framework (drawing, observation, the operator class, validation, the passes) names
 no operator: it asks :func:`spec_of` for the spec an operator module registered beside
-its public function (``hop/ops/cond.py`` registers cond's). A new operator is its module
+its public function (``hop/ops/branching/cond.py`` registers cond's). A new operator is its module
 and its spec. Imports nothing of hop: every layer may read it.
 """
 

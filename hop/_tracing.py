@@ -19,6 +19,9 @@ import torch.fx
 import torch.utils._pytree as py_pytree
 
 from hop import _observe, _state
+from hop._observe_traced import traced_node
+from hop._transforms import is_plain_tensor
+from hop.errors import MutationError, format_message
 
 __all__ = ["emit", "keeping_node_meta", "per_element", "trace_example", "trace_subgraph", "unknown_value"]
 
@@ -86,8 +89,6 @@ def _buffer_writes_in_place() -> Iterator[None]:
                 buffer = buffer if out is None else out
             return buffer
         if module._buffers[name] is not buffer:
-            from hop.errors import MutationError, format_message
-
             raise MutationError(
                 format_message(
                     "subgraph",
@@ -234,7 +235,6 @@ def trace_example(value: Any) -> Any:
     (Note [bodies are traced on values they can see]); non-tensors are returned as is."""
     if not isinstance(value, torch.Tensor):
         return value
-    from hop._transforms import is_plain_tensor
 
     if is_plain_tensor(value):  # real data
         return value.detach().clone(memory_format=torch.contiguous_format)
@@ -247,7 +247,7 @@ def traced_layout(value: Any) -> Any:
     metadata: what a traced body is run on for its output metadata.
 
     Bodies are traced on contiguous values, and a traced body is run on contiguous
-    ones (Note [traced bodies see contiguous values] in hop.ops._looping): the graph
+    ones (Note [traced bodies see contiguous values] in hop.ops.scanning._rules): the graph
     bakes the layout in (``reshape`` became ``view``, which another layout cannot
     take). Size-1 dims with other strides count too: run on them, a body whose
     branches return a carry beside a new tensor would give torch's cond (which
@@ -306,7 +306,5 @@ def emit(mode: Any, op: Any, args: Sequence[Any], out: Any, kwargs: dict[str, An
     proxy_kwargs = py_pytree.tree_map(to_arg, dict(kwargs or {}))
     out_proxy = tracer.create_proxy("call_function", op, proxy_args, proxy_kwargs)
     if _observe.SINKS or _observe.structured_on():
-        from hop._observe_traced import traced_node
-
         traced_node(op.name(), tuple(args))
     return track_tensor_tree(out, out_proxy, constant=None, tracer=tracer)

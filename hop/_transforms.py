@@ -12,6 +12,8 @@ from torch._C._functorch import is_batchedtensor as _is_batched
 from torch._C._functorch import is_functorch_wrapped_tensor as _is_wrapped
 from torch._C._functorch import maybe_current_level as _functorch_level
 
+from hop.errors import HopRuntimeError, format_message
+
 __all__ = [
     "in_plain_eager",
     "is_plain_leaf",
@@ -237,7 +239,7 @@ def in_plain_eager() -> bool:
     is read and the callables run as plain Python, so a user's mode sees what runs,
     as under a Python ``if``. Two paths serve only the part of it where
     :func:`nothing_active` holds, which implies plain eager at a third of the cost:
-    the inline cache (``hop.ops._inline`` and ``hop._fastpath``, which reads the
+    the inline cache (``hop.ops.branching._call_cache`` and ``hop._fastpath``, which reads the
     selector before it knows it has an entry: under a user mode a miss would make
     that read a second one) and the dispatcher's shortcut to a backend kernel (under
     user modes its full route reaches the same kernel). tests/test_plain_eager.py asks
@@ -323,7 +325,6 @@ def torch_ops_without_rules(op: str, role: str) -> Iterator[None]:
     except KeyError as e:
         if not (e.args and isinstance(e.args[0], TransformType)):
             raise
-        from hop.errors import HopRuntimeError, format_message
 
         transform = e.args[0].name.lower()
         what = (

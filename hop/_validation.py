@@ -67,9 +67,9 @@ _VERDICTS: dict[Any, set[Any]] = {}
 _UNCHECKED: dict[Any, dict[int, str]] = {}
 _SINKS = _observe.SINKS
 # Per operator whose spec has the inline cache, its cache of validated eager calls
-# (Note [the eager inline cache] in hop.ops._inline, which fills this): each entry
+# (Note [the eager inline cache] in hop.ops.branching._call_cache, which fills this): each entry
 # holds a verdict, and goes with it.
-INLINE: dict[str, dict[Any, Any]] = {}  # name -> key -> hop.ops._inline.Entry
+INLINE: dict[str, dict[Any, Any]] = {}  # name -> key -> hop.ops.branching._call_cache.Entry
 # Verdicts whose fake run saw a callable return a tensor sharing memory with an
 # operand without being it or a view of it (x.detach(), x.data); their calls are
 # not cached inline, so each gets the general path's data-pointer check.

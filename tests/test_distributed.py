@@ -2,7 +2,7 @@
 
 Ranks that take different branches of a cond or switch train in step because the
 untaken branch's parameters get zero gradients (Note [untaken branches get zero
-gradients] in hop/ops/_zero_grads.py); loops reach their body's parameters on
+gradients] in hop/ops/branching/_untaken_grads.py); loops reach their body's parameters on
 every iteration. One pair of worker processes runs every scenario for three
 training steps; each test compares the ranks with each other and with one
 process that averages the ranks' gradients itself.

@@ -540,7 +540,7 @@ def test_checkpointed_loop_gives_a_first_order_gradient_and_refuses_a_second() -
 
 
 def test_the_raw_while_loop_refuses_a_checkpoint_that_is_not_a_bool() -> None:
-    from hop.ops.while_loop import while_loop_op
+    from hop.ops.while_loops.while_loop import while_loop_op
 
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(HopTypeError, match=r"^hop\.while_loop: checkpoint must be True or False, got str 'no'"):
@@ -590,8 +590,8 @@ def test_the_names_refused_are_exactly_hops_own_operators() -> None:
     import hop.ops
 
     own = set()
-    for info in pkgutil.iter_modules(hop.ops.__path__):
-        module = importlib.import_module(f"hop.ops.{info.name}")
+    for info in pkgutil.walk_packages(hop.ops.__path__, "hop.ops."):
+        module = importlib.import_module(info.name)
         own |= {v.name() for v in vars(module).values() if isinstance(v, hop.HigherOrderOperator)}
     assert own == {s.name for s in _spec.specs() if _operator._own(s.name)} | _operator._OWN_DECOMPOSED
     assert all(_operator._own(name) for name in own)

@@ -169,7 +169,7 @@ def test_dynamo_handlers_are_registered_lazily_also_for_ops_made_before_dynamo()
         "from hop.compile._dynamo_capture import UnhandledVariable\n"
         "from hop.compile._dynamo_branching import CondVariable\n"
         "after = hop.HigherOrderOperator('made_after_dynamo')\n"
-        "assert isinstance(h.TorchHigherOrderOperatorVariable.make(hop.ops.cond.cond_op), CondVariable)\n"
+        "assert isinstance(h.TorchHigherOrderOperatorVariable.make(hop.ops.branching.cond.cond_op), CondVariable)\n"
         "assert isinstance(h.TorchHigherOrderOperatorVariable.make(named_like_torch), UnhandledVariable)\n"
         "assert isinstance(h.TorchHigherOrderOperatorVariable.make(after), UnhandledVariable)\n"
         "torch_cond = h.TorchHigherOrderOperatorVariable.make(torch.ops.higher_order.cond)\n"

@@ -25,7 +25,7 @@ import hop
 from hop import _transforms
 from hop import _validation as validation
 from hop.errors import OutputMismatchError
-from hop.ops import _inline
+from hop.ops.branching import _call_cache
 
 
 class OpLog(TorchDispatchMode):
@@ -61,9 +61,9 @@ def _probe() -> dict[str, bool]:
     answers = {
         "in_plain_eager": _transforms.in_plain_eager(),
         "nothing_active": _transforms.nothing_active(),
-        "served": _inline._served(),
+        "served": _call_cache._served(),
     }
-    if _inline.BUILT:
+    if _call_cache.BUILT:
         from hop import _fastpath
 
         answers["c_nothing_active"] = _fastpath.nothing_active()

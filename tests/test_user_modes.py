@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import FlopCounterMode
 
 import hop
-from hop.ops.cond import cond_op
+from hop.ops.branching.cond import cond_op
 
 
 class OpLog(TorchDispatchMode):

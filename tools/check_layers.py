@@ -51,7 +51,7 @@ def imports(path: Path, name: str, known: set[str]) -> Iterator[tuple[str, int]]
                 base = ".".join([*anchor, base] if base else anchor)
             for alias in node.names:
                 full = f"{base}.{alias.name}"
-                if full in known:  # from hop.ops import cond: the module hop.ops.cond
+                if full in known:  # from hop.ops import cond: the module hop.ops.branching.cond
                     yield full, node.lineno
                 elif base in known:
                     yield base, node.lineno

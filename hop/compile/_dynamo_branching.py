@@ -41,15 +41,15 @@ from hop.compile._dynamo_values import (
     unflatten,
 )
 from hop.errors import HopTypeError, HopValueError, format_message, not_a_sequence, type_name
-from hop.ops import _branching
-from hop.ops import cond as cond_module
-from hop.ops import switch as switch_module
+from hop.ops.branching import _record
+from hop.ops.branching import cond as cond_module
+from hop.ops.branching import switch as switch_module
 
 __all__ = ["HANDLERS"]
 
 
 class _BranchingVariable(HopVariable):
-    branching: _branching.Branching
+    branching: _record.Branching
 
     def capture(self, tx: Any, sel: VT, branches: Sequence[VT], operands: VT) -> VT:
         """One node running the branch ``sel`` picks (``sel`` checked by the caller)."""
@@ -58,7 +58,7 @@ class _BranchingVariable(HopVariable):
         fns = [callable_stand_in(tx, fn) for fn in branches]
         _check_call(name, roles, fns, operands)
         leaves, _ = flatten(tx, operands)
-        _branching._check_leaves(name, example_tree(tx, operands), [example(leaf) for leaf in leaves])
+        _record._check_leaves(name, example_tree(tx, operands), [example(leaf) for leaf in leaves])
         subs = [
             speculate(tx, self.value, role, fn, items(tx, operands)) for role, fn in zip(roles, branches, strict=True)
         ]
@@ -86,7 +86,7 @@ class _BranchingVariable(HopVariable):
 
 
 def _check_call(name: str, roles: Sequence[str], fns: Sequence[Any], operands: VT) -> None:
-    """The checks of ``_branching.call``, with the same messages."""
+    """The checks of ``_record.call``, with the same messages."""
     for role, fn in zip(roles, fns, strict=True):
         if not callable(fn):
             raise HopTypeError(
@@ -97,7 +97,7 @@ def _check_call(name: str, roles: Sequence[str], fns: Sequence[Any], operands: V
 
 
 def _add_empty_output(tx: Any, graph: torch.fx.Graph) -> None:
-    """A lone int output travels beside an empty tensor (see ``_branching.flat_branches``)."""
+    """A lone int output travels beside an empty tensor (see ``_record.flat_branches``)."""
     out = next(n for n in graph.nodes if n.op == "output")
     (values,) = out.args
     with graph.inserting_before(out):

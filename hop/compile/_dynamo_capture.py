@@ -39,6 +39,7 @@ from torch._dynamo.variables.lists import BaseListVariable
 from torch._dynamo.variables.tensor import SymNodeVariable
 
 from hop import _decomposed, _effects, _observe
+from hop._observe_traced import captured
 from hop._transforms import DYNAMO_CALL, batched_inside
 from hop.compile._dynamo_errors import hop_errors_break_graph, unsupported, untraceable
 from hop.compile._dynamo_values import (
@@ -107,7 +108,7 @@ class Subgraph:
 # variable is a node of that subgraph, and the next read from anywhere else, the other
 # branch of a cond (torch.cond fails alike there), a loop's cond_fn after its body_fn, or
 # the second trace of a callable whose first one failed (Note [int carries in a traced
-# condition], hop.ops.while_loop), cannot lift it: ``lift_tracked_freevar_to_input
+# condition], hop.ops.while_loops.while_loop), cannot lift it: ``lift_tracked_freevar_to_input
 # should not be called on root SubgraphTracer``. torch 2.15 emits that ``.item()`` in
 # the root graph; after each subgraph hop traces, a float it read first is read again
 # so, in the root graph, where every later subgraph lifts it from. Any other variable
@@ -349,8 +350,6 @@ def emit(tx: Any, op: Any, args: tuple[Any, ...]) -> VT:
     with hop_errors_break_graph():
         value = get_fake_value(proxy.node, tx)
     if _observe.SINKS or _observe.structured_on():
-        from hop._observe_traced import captured
-
         modules = tx.output.nn_modules
         graphs = [modules.get(a.node.target) for a in args if isinstance(a, torch.fx.Proxy) and a.node.op == "get_attr"]
         captured(op.name(), [g for g in graphs if isinstance(g, torch.fx.GraphModule)])

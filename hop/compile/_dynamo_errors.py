@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch._dynamo.exc import Unsupported
 
+import hop
 from hop import _observe
+from hop._observe_traced import graph_break
 from hop.compile._torch_api import fake_propagation_errors
 from hop.errors import CompileUnsupported, HopError, format_message
 
@@ -46,8 +48,6 @@ def _breaking(cls: type[HopError]) -> type[Exception]:
 def as_graph_break(error: HopError) -> Exception:
     """``error`` as a graph break that is still an instance of its own class."""
     if _observe.SINKS or _observe.structured_on():
-        from hop._observe_traced import graph_break
-
         graph_break(error)
     if isinstance(error, Unsupported):
         return error
@@ -115,8 +115,6 @@ def _assigns_buffer(error: Unsupported) -> bool:
 def _user_line(stack: Any) -> str | None:
     """``file.py:12 in fn (`source`)`` for the innermost frame of ``stack`` outside hop and torch."""
     import os
-
-    import hop
 
     roots = [os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep for m in (hop, torch)]
     for frame in reversed(list(stack)):

@@ -36,6 +36,14 @@ from torch._dynamo.variables.higher_order_ops import TorchHigherOrderOperatorVar
 from hop import _reference
 from hop._transforms import DYNAMO_CALL
 from hop.compile._dynamo_values import VT
+from hop.ops.branching.cond import cond, cond_op
+from hop.ops.branching.switch import switch, switch_op
+from hop.ops.scanning.associative_scan import associative_scan, associative_scan_op
+from hop.ops.scanning.map import map as hop_map
+from hop.ops.scanning.map import map_op
+from hop.ops.scanning.scan import scan, scan_op
+from hop.ops.while_loops.fori_loop import fori_loop
+from hop.ops.while_loops.while_loop import while_loop, while_loop_op
 
 __all__ = ["PublicFunctionVariable", "install", "public_functions"]
 
@@ -62,20 +70,13 @@ class PublicFunctionVariable(UserFunctionVariable):
 def public_functions() -> list[tuple[Callable[..., Any], Any]]:
     """Each public function with the raw op it calls (the one list of them the Dynamo
     bridge keeps)."""
-    from hop.ops.associative_scan import associative_scan, associative_scan_op
-    from hop.ops.cond import cond, cond_op
-    from hop.ops.fori_loop import fori_loop
-    from hop.ops.map import map, map_op
-    from hop.ops.scan import scan, scan_op
-    from hop.ops.switch import switch, switch_op
-    from hop.ops.while_loop import while_loop, while_loop_op
 
     return [
         (cond, cond_op),
         (switch, switch_op),
         (while_loop, while_loop_op),
         (fori_loop, while_loop_op),
-        (map, map_op),
+        (hop_map, map_op),
         (scan, scan_op),
         (associative_scan, associative_scan_op),
     ]

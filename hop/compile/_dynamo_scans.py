@@ -49,10 +49,10 @@ from hop.compile._dynamo_values import (
     without_none,
 )
 from hop.errors import HopTypeError, format_message
-from hop.ops import _loop_checks, _loop_values
-from hop.ops import associative_scan as associative_scan_module
-from hop.ops import map as map_module
-from hop.ops import scan as scan_module
+from hop.ops.scanning import _checks, _values
+from hop.ops.scanning import associative_scan as associative_scan_module
+from hop.ops.scanning import map as map_module
+from hop.ops.scanning import scan as scan_module
 
 __all__ = ["HANDLERS"]
 
@@ -60,7 +60,7 @@ __all__ = ["HANDLERS"]
 def _slices(tx: Any, xs: Sequence[VT]) -> list[VT]:
     """Fresh values shaped like one slice along dim 0 of each of ``xs``."""
     with tx.fake_mode:
-        slices = _loop_values.empty_slices([example(x) for x in xs], [0] * len(xs))
+        slices = _values.empty_slices([example(x) for x in xs], [0] * len(xs))
     return [fresh_input(tx, s) for s in slices]
 
 
@@ -71,7 +71,7 @@ class ScanVariable(HopVariable):
         combine_fn, init, xs = params["combine_fn"], params["init"], params["xs"]
         dim_vt, reverse_vt = params["dim"], params["reverse"]
         fn = callable_stand_in(tx, combine_fn)
-        _loop_checks.check_callable("scan", "combine_fn", fn)
+        _checks.check_callable("scan", "combine_fn", fn)
         reverse, dim = example(reverse_vt), example(dim_vt)
         if type(reverse) is not bool:
             raise HopTypeError(
@@ -83,11 +83,11 @@ class ScanVariable(HopVariable):
         xs_all, xs_spec = flatten(tx, xs)
         init_leaves, xs_leaves = without_none(init_all), without_none(xs_all)
         init_values = [example(leaf) for leaf in init_leaves]
-        _loop_checks.check_leaves("scan", "init", example_tree(tx, init), init_values)
+        _checks.check_leaves("scan", "init", example_tree(tx, init), init_values)
         if not xs_leaves and type(dim) is int:  # nothing to scan over
             no_steps: VT = SourcelessBuilder.create(tx, scan_module.no_steps)
             return no_steps.call_function(tx, [init, xs], {})
-        dims, _ = _loop_checks.check_xs("scan", example_tree(tx, xs), [example(x) for x in xs_leaves], dim)
+        dims, _ = _checks.check_xs("scan", example_tree(tx, xs), [example(x) for x in xs_leaves], dim)
         moved = [method(tx, x, "movedim", d, 0) if d else x for x, d in zip(xs_leaves, dims, strict=True)]
         carry = unflatten(tx, with_none(fresh(tx, init_values), init_all), init_spec)
         x = unflatten(tx, with_none(_slices(tx, moved), xs_all), xs_spec)
@@ -119,7 +119,7 @@ def _unmove(tx: Any, y: VT, dim: int) -> VT:
     """A leaf of ys, stacked along dim 0 by the node, moved to ``dim`` (``None`` stays)."""
     if not dim or is_none(y):
         return y
-    return method(tx, y, "movedim", 0, _loop_values.stack_dim(dim, example(y).dim() - 1))
+    return method(tx, y, "movedim", 0, _values.stack_dim(dim, example(y).dim() - 1))
 
 
 def _check_scan_body(fn: Any, init: Any, body: Subgraph, dim: int) -> pytree.TreeSpec:
@@ -127,11 +127,11 @@ def _check_scan_body(fn: Any, init: Any, body: Subgraph, dim: int) -> pytree.Tre
     spec = body.out_spec()
     outs = [example(o) for o in body.outputs]
     if spec.type not in (tuple, list) or spec.num_children != 2:
-        raise _loop_checks.not_a_pair(scan_module.SCAN, fn, pytree.tree_unflatten(outs, spec))
+        raise _checks.not_a_pair(scan_module.SCAN, fn, pytree.tree_unflatten(outs, spec))
     carry_spec, y_spec = spec.children()
     nc = carry_spec.num_leaves
-    _loop_checks.check_carry(scan_module.SCAN, fn, init, pytree.tree_unflatten(outs[:nc], carry_spec))
-    error = _loop_checks.ys_error(scan_module.SCAN, fn, [pytree.tree_unflatten(outs[nc:], y_spec)], dim, "y")
+    _checks.check_carry(scan_module.SCAN, fn, init, pytree.tree_unflatten(outs[:nc], carry_spec))
+    error = _checks.ys_error(scan_module.SCAN, fn, [pytree.tree_unflatten(outs[nc:], y_spec)], dim, "y")
     if error is not None:
         raise error
     check_spec_order("scan", [pytree.tree_structure(init), carry_spec], "init and next_carry")
@@ -149,16 +149,16 @@ class MapVariable(HopVariable):
     def public_call(self, tx: Any, public: str, params: dict[str, VT]) -> VT:
         f, xs, f_args = params["f"], params["xs"], params["args"]
         fn = callable_stand_in(tx, f)
-        _loop_checks.check_callable("map", "f", fn)
+        _checks.check_callable("map", "f", fn)
         xs_all, xs_spec = flatten(tx, xs)
         args_all, _ = flatten(tx, f_args)
         xs_leaves, arg_leaves = without_none(xs_all), without_none(args_all)
-        _loop_checks.check_xs("map", example_tree(tx, xs), [example(x) for x in xs_leaves], 0)
-        _loop_checks.check_leaves("map", "args", example_tree(tx, f_args), [example(a) for a in arg_leaves], ints=True)
+        _checks.check_xs("map", example_tree(tx, xs), [example(x) for x in xs_leaves], 0)
+        _checks.check_leaves("map", "args", example_tree(tx, f_args), [example(a) for a in arg_leaves], ints=True)
         x = unflatten(tx, with_none(_slices(tx, xs_leaves), xs_all), xs_spec)
         body = speculate(tx, self.value, "f", f, [x, *items(tx, f_args)])
         outs = [example(o) for o in body.outputs]
-        error = _loop_checks.ys_error(map_module.MAP, fn, [pytree.tree_unflatten(outs, body.out_spec())], 0, "output")
+        error = _checks.ys_error(map_module.MAP, fn, [pytree.tree_unflatten(outs, body.out_spec())], 0, "output")
         if error is not None:
             raise error
         extra = without_none(drop_constant_inputs(body.graph, [*xs_all, *args_all]))[len(xs_leaves) :]
@@ -192,7 +192,7 @@ class AssociativeScanVariable(HopVariable):
         associative_scan_module.check_options(fn, reverse, mode)
         leaves_all, spec = flatten(tx, xs)
         leaves = without_none(leaves_all)
-        dims, _ = _loop_checks.check_xs(name, example_tree(tx, xs), [example(x) for x in leaves], dim)
+        dims, _ = _checks.check_xs(name, example_tree(tx, xs), [example(x) for x in leaves], dim)
         moved = [method(tx, x, "movedim", d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
         moved = [method(tx, x, "flip", 0) for x in moved] if reverse else moved
         lhs, rhs = (with_none(_slices(tx, moved), leaves_all) for _ in range(2))
@@ -200,7 +200,7 @@ class AssociativeScanVariable(HopVariable):
         py_spec = python_spec(spec)
         out_tree = pytree.tree_unflatten([example(o) for o in body.outputs], body.out_spec())
         lhs_tree = pytree.tree_unflatten([example(x) for x in lhs], py_spec)
-        _loop_checks.check_like(name, "combine_fn", fn, lhs_tree, out_tree, "output", "xs and the output")
+        _checks.check_like(name, "combine_fn", fn, lhs_tree, out_tree, "output", "xs and the output")
         check_spec_order(name, [py_spec, body.out_spec()], "xs and combine_fn's output")
         drop_constant_inputs(body.graph, [*leaves_all, *leaves_all])  # the None leaves' placeholders
         drop_none_outputs(body.graph)

@@ -20,7 +20,8 @@ from torch._dynamo.variables.builder import SourcelessBuilder
 from torch._dynamo.variables.lists import BaseListVariable
 
 from hop import _output_checks, _state
-from hop._unbacked import changed_dims, generic_carry, trial_run
+from hop._unbacked import trial_run
+from hop._unbacked_loops import changed_dims, generic_carry
 from hop.compile import _inductor_rewrites as rw
 from hop.compile._dynamo_capture import (
     HopVariable,
@@ -55,9 +56,9 @@ from hop.compile._dynamo_values import (
     unflatten,
 )
 from hop.errors import HopTypeError, format_message, type_name
-from hop.ops import _checkpoint, _while_checks, _while_ints
-from hop.ops import fori_loop as fori_module
-from hop.ops import while_loop as while_module
+from hop.ops.while_loops import _checkpoint, _checks, _int_carries
+from hop.ops.while_loops import fori_loop as fori_module
+from hop.ops.while_loops import while_loop as while_module
 
 __all__ = ["HANDLERS"]
 
@@ -102,7 +103,7 @@ class WhileLoopVariable(HopVariable):
         checkpoint = params["checkpoint"]
         fns = (callable_stand_in(tx, cond_fn), callable_stand_in(tx, body_fn))
         listed = isinstance(carried, BaseListVariable)
-        _while_checks.check_arguments(*fns, example_tree(tx, carried) if listed else shown(carried))
+        _checks.check_arguments(*fns, example_tree(tx, carried) if listed else shown(carried))
         _refuse_checkpoint(checkpoint)
 
         def check(carry: Any, out: Any) -> None:
@@ -166,10 +167,10 @@ class WhileLoopVariable(HopVariable):
         values = [example(leaf) for leaf in leaves]
         if tx.export:
             name = "while_loop" if fns[0] is not None else "fori_loop"
-            _while_ints.refuse_batched(values, [example(a) for a in additional], name)
+            _int_carries.refuse_batched(values, [example(a) for a in additional], name)
         py_spec = python_spec(spec)
         varying = [set() if isinstance(v, torch.Tensor) else {0} for v in values]
-        on_tensors = False  # Note [int carries in a traced condition] (hop.ops._while_ints)
+        on_tensors = False  # Note [int carries in a traced condition] (hop.ops.while_loops._int_carries)
         for _ in range(8):  # Note [while_loop carries in Dynamo]
             generic = _generic_carries(tx, values, varying)
             body, on_tensors = self.trace_body(tx, body_fn, generic, spec, additional, on_tensors)
@@ -183,12 +184,12 @@ class WhileLoopVariable(HopVariable):
         _check_inductor_carries(tx, "while_loop" if fns[0] is not None else "fori_loop", values, varying)
         generic = _generic_carries(tx, values, varying)  # fresh values: no fake-tensor memo shared with body_fn
         cond = self.trace_cond(tx, cond_fn, generic, spec, additional)
-        _while_checks.truth(pytree.tree_unflatten([example(o) for o in cond.outputs], cond.out_spec()), fns[0])
+        _checks.truth(pytree.tree_unflatten([example(o) for o in cond.outputs], cond.out_spec()), fns[0])
         bare_single_output(cond.graph, tensors_only=False)
         lifted = share_lifted([cond, body])
         if tx.export:  # a batched tensor the callables close over batches the loop too
             closed = [p.node.meta.get(BATCHED_EXAMPLE, p.node.meta.get("example_value")) for p in lifted]
-            _while_ints.refuse_batched(values, closed, "while_loop" if fns[0] is not None else "fori_loop")
+            _int_carries.refuse_batched(values, closed, "while_loop" if fns[0] is not None else "fori_loop")
         graphs = (install(tx, "hop_while_loop_cond", cond.graph), install(tx, "hop_while_loop_body", body.graph))
         inits = tuple(leaf.as_proxy() for leaf in leaves)
         out = emit(tx, self.value, (*graphs, inits, (*proxies(additional), *lifted)))
@@ -196,7 +197,7 @@ class WhileLoopVariable(HopVariable):
 
     def trace_cond(self, tx: Any, cond_fn: VT, generic: list[VT], spec: Spec, additional: list[VT]) -> Subgraph:
         """cond_fn traced on SymInt int carries or, where it cannot be, on 0-dim int64
-        tensors (Note [int carries in a traced condition], hop.ops._while_ints)."""
+        tensors (Note [int carries in a traced condition], hop.ops.while_loops._int_carries)."""
         slots = tuple(k for k, g in enumerate(generic) if isinstance(example(g), torch.SymInt))
         try:
             with trial_run() if slots else nullcontext():
@@ -213,7 +214,7 @@ class WhileLoopVariable(HopVariable):
     ) -> tuple[Subgraph, bool]:
         """body_fn traced on SymInt int carries or, where it cannot be (or could not be in
         an earlier pass, ``on_tensors``), given them as 0-dim int64 tensors, its int outputs
-        read back with ``.item()`` (Note [int carries in a traced condition], hop.ops._while_ints).
+        read back with ``.item()`` (Note [int carries in a traced condition], hop.ops.while_loops._int_carries).
         Returns the subgraph and whether it took tensors."""
         slots = tuple(k for k, g in enumerate(generic) if isinstance(example(g), torch.SymInt))
         if not on_tensors:
@@ -223,7 +224,7 @@ class WhileLoopVariable(HopVariable):
                 if not slots or not _data_dependent(e):
                     raise
         partial = SourcelessBuilder.create(tx, functools.partial)
-        on_tensors_fn = SourcelessBuilder.create(tx, _while_ints.body_on_tensors)
+        on_tensors_fn = SourcelessBuilder.create(tx, _int_carries.body_on_tensors)
         wrapped = partial.call_function(tx, [on_tensors_fn, constant(slots), body_fn], {})
         return self.trace_items(tx, wrapped, generic, spec, additional), True
 

@@ -17,12 +17,13 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from hop._operator import HigherOrderOperator
+
 __all__ = ["inline_decompositions"]
 
 
 def inline_decompositions(graph: torch.fx.Graph) -> bool:
     """Replace every node of an operator with a decomposition by its trace; whether one was."""
-    from hop._operator import HigherOrderOperator
 
     nodes = [
         n

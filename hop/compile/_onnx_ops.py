@@ -32,6 +32,12 @@ import numpy as np
 import onnx_ir as ir
 
 from hop.errors import CompileUnsupported, format_message
+from hop.ops.branching.cond import cond_op
+from hop.ops.branching.switch import switch_op
+from hop.ops.scanning.associative_scan import associative_scan_op
+from hop.ops.scanning.map import map_op
+from hop.ops.scanning.scan import scan_op
+from hop.ops.while_loops.while_loop import while_loop_op
 
 __all__ = ["TRANSLATIONS"]
 
@@ -379,12 +385,6 @@ def _untyped_shapes(fn: ir.Function) -> None:
 
 
 def _ops() -> dict[Any, Callable[..., Outputs]]:
-    from hop.ops.associative_scan import associative_scan_op
-    from hop.ops.cond import cond_op
-    from hop.ops.map import map_op
-    from hop.ops.scan import scan_op
-    from hop.ops.switch import switch_op
-    from hop.ops.while_loop import while_loop_op
 
     return {
         cond_op: translate_cond,

@@ -238,7 +238,7 @@ CHANGES: tuple[Change, ...] = (
         (2, 15),
         "Inductor's GraphLowering.additional_star_deps (op name -> names it must follow, a StarDep) is "
         "renamed additional_buffer_deps (a fake WeakDep: ordering only).",
-        "ordering_deps(): hop.compile.inductor._reads_first orders a subgraph's .item() reads first",
+        "ordering_deps(): hop.compile._inductor_subgraphs.reads_first orders a subgraph's .item() reads first",
     ),
     Change(
         (2, 14),
@@ -251,7 +251,7 @@ CHANGES: tuple[Change, ...] = (
         "Inductor's WhileLoop.create takes the output of a carry the body writes in place as that carry's "
         "input; before, it paired the body's writes, in the order the body makes them, with the carries "
         "in index order (a scan writing a buffer it closes over, then its stacked outputs, swapped them).",
-        "hop.compile.inductor._writes_in_carry_order: the writes are reported in carry order",
+        "hop.compile._inductor_subgraphs.writes_in_carry_order: the writes are reported in carry order",
     ),
 )
 

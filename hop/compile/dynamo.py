@@ -57,7 +57,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from hop import _validation
+from hop._operator import _REGISTRY, HigherOrderOperator
 from hop.compile._hooks import on_import
+from hop.ops.branching.switch import SwitchOp
 
 __all__: list[str] = []
 
@@ -74,6 +77,7 @@ def _install(dynamo: ModuleType) -> None:
     _installed = True
     from torch._dynamo.variables import higher_order_ops
 
+    # they import torch._dynamo, which import hop must not: loaded once Dynamo is
     from hop.compile import _dynamo_branching, _dynamo_public, _dynamo_scans, _dynamo_while
 
     handlers = {**_dynamo_branching.HANDLERS, **_dynamo_while.HANDLERS, **_dynamo_scans.HANDLERS}
@@ -93,8 +97,6 @@ def _torch_control_flow_is_not_fakeable() -> None:
     checked by its first real call, as one that cannot run on fake tensors."""
     from torch._dynamo.exc import UncapturedHigherOrderOpError
 
-    from hop import _validation
-
     if UncapturedHigherOrderOpError not in _validation.CANNOT_FAKE:
         _validation.CANNOT_FAKE = (*_validation.CANNOT_FAKE, UncapturedHigherOrderOpError)
 
@@ -113,9 +115,7 @@ def _run_ops_outside_dynamo() -> None:
     (Note [public functions, inlined])."""
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
-    from hop._operator import HigherOrderOperator
-    from hop.compile._dynamo_public import public_functions
-    from hop.ops.switch import SwitchOp
+    from hop.compile._dynamo_public import public_functions  # imports torch._dynamo (loaded by now)
 
     calls = (HigherOrderOperator.__call__, HigherOrderOperator.dispatch, SwitchOp.__call__)
     for call in calls:
@@ -134,8 +134,7 @@ class _Entry:
         self.handlers = handlers
 
     def __call__(self, value: Any, source: Any = None, **kwargs: Any) -> Any:
-        from hop._operator import HigherOrderOperator
-        from hop.compile._dynamo_capture import DecomposedVariable, UnhandledVariable
+        from hop.compile._dynamo_capture import DecomposedVariable, UnhandledVariable  # imports torch._dynamo
 
         handler = self.handlers.get(value)
         if handler is None and isinstance(value, HigherOrderOperator):
@@ -171,7 +170,6 @@ class _Table(dict[str, Any]):
         self.handlers = handlers
 
     def get(self, name: str, default: Any = None) -> Any:
-        from hop._operator import _REGISTRY
 
         entry = super().get(name)
         if entry is None and name in _REGISTRY:

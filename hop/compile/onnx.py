@@ -44,7 +44,7 @@ _TORCH_CORE = "torch.onnx._internal.exporter._core"
 
 def translations() -> dict[Any, Callable[..., Any]]:
     """hop's operators and their ONNX translations, as ``custom_translation_table`` takes them."""
-    from hop.compile._onnx_ops import TRANSLATIONS
+    from hop.compile._onnx_ops import TRANSLATIONS  # imports onnx_ir, which import hop must not
 
     return dict(TRANSLATIONS)
 

@@ -1,5 +1,5 @@
-"""What every operator family shares: cond/switch (``_branching``), scan/map
-(``_looping``), while_loop and associative_scan.
+"""What every operator family shares: cond/switch (``branching._record``), scan/map
+(``scanning._rules``), while_loop and associative_scan.
 
 Each helper here was once written in several families; it lives here once, so a
 fix reaches them all. Nothing here knows an operator by name: the differences
@@ -20,8 +20,8 @@ import torch.fx
 from torch._C._functorch import TransformType, _add_batch_dim
 
 from hop import (
-    _dispatch,
     _effects,
+    _kernels,
     _lifting,
     _observe,
     _observe_calls,
@@ -125,7 +125,25 @@ def _tracing_tensor_types() -> tuple[type, ...]:
 
 
 def _has_rule(op: Any, cls: type) -> bool:
-    return _dispatch.lookup_rule(op.python_key_table, cls) is not None
+    return _kernels.lookup_rule(op.python_key_table, cls) is not None
+
+
+def as_tuple(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def same_form(out: Any, flat: Sequence[Any]) -> Any:
+    """``flat`` in the raw op's output convention: a bare value for one leaf, else a tuple."""
+    return tuple(flat) if isinstance(out, tuple) else flat[0]
+
+
+def no_alias(out: Any, operands: Sequence[Any]) -> Any:
+    """``out`` with every leaf that shares memory with an operand cloned."""
+    flat = as_tuple(out)
+    suspect = any(_effects.may_alias(o, operands) for o in flat) or len(flat) > 1
+    if not suspect:
+        return out
+    return same_form(out, _effects.clone_aliases(flat, operands))
 
 
 def differentiable(x: Any) -> bool:
@@ -330,7 +348,7 @@ def reverse_tracked(values: Sequence[Any]) -> bool:
 # own trip counter broadcast for a batched backward) made the body store n values
 # into one element: every element read back the last one, or the loop never ended,
 # silently. The body is traced on contiguous carries anyway (Note [traced bodies see
-# contiguous values] in ``_looping``), so a traced node takes such a carry as a
+# contiguous values] in ``scanning._rules``), so a traced node takes such a carry as a
 # contiguous copy: one copy per call, before the loop, on every path that traces.
 
 

@@ -106,7 +106,11 @@ VMAPPED = (
 # differs from eager's in float32 by more than assert_close's defaults (found by the
 # long profiles: 7e-6 relative for vmap_grad of a scan squaring a matmul, 1.6e-6 for
 # Inductor's scan of squares growing to 1e6). float64 keeps the defaults, where such
-# an order costs ~1e-15. A check given rtol/atol uses those.
+# an order costs ~1e-15. A check given rtol/atol uses those. A gradient through any
+# traced program is reordered too: where eager runs a concrete branch or loop as
+# Python (autograd accumulating step by step), the traced node differentiates with
+# hop's own rules (a scan's vjp is a reverse scan): 4e-6 relative in float32 under
+# aot_eager, found by the long profile.
 REORDERED = (*VMAPPED, "compile_inductor", "compile_inductor_static", "aoti", "export_compositions")
 _REORDERED_TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
@@ -229,7 +233,8 @@ def compare_leaf(case: CheckCase, transform: str, path: str, g: Any, w: Any) -> 
             raise CheckFailure(transform, f"{g!r} vs the reference's {w!r}", path=path)
         return
     rtol, atol = case.rtol, case.atol
-    if rtol is None and transform in REORDERED and w.dtype in _REORDERED_TOLERANCES:
+    reordered = transform in REORDERED or (transform in COMPILED and path.startswith("grad"))
+    if rtol is None and reordered and w.dtype in _REORDERED_TOLERANCES:
         rtol, atol = _REORDERED_TOLERANCES[w.dtype]
     try:
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True)

@@ -24,7 +24,7 @@ from torch.export import Dim
 
 import hop
 from hop.errors import CompileUnsupported
-from hop.ops.cond import cond_op
+from hop.ops.branching.cond import cond_op
 
 onnx = pytest.importorskip("onnx", reason="the ONNX tests need the dev extras (onnx, onnxscript, onnxruntime)")
 pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (a dev extra)")

@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hop
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError
-from hop.ops.associative_scan import associative_scan_op
+from hop.ops.scanning.associative_scan import associative_scan_op
 
 
 def reference_associative_scan(combine_fn: Any, xs: Any, dim: int, reverse: bool = False, **_: Any) -> Any:

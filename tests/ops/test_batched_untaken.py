@@ -2,7 +2,7 @@
 switch did not take for an element, and a step a vmapped loop ran for an element that
 had already finished, contribute nothing to that element's gradient, not even
 ``0 * inf`` (Note [finished elements are not differentiated] in
-``hop.ops._while_run``). Checked against each element's own program, with the
+``hop.ops.while_loops._run``). Checked against each element's own program, with the
 gradient taken inside the vmap (``vmap(grad(f))``) and outside it (autograd of
 ``vmap(f)``, ``grad(vmap(f))``), eagerly and traced."""
 

@@ -21,8 +21,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hop
 from hop import _validation as validation
 from hop.errors import HopError, HopRuntimeError, HopTypeError, HopValueError, OutputMismatchError
-from hop.ops.cond import cond_op
-from hop.ops.switch import switch_op
+from hop.ops.branching.cond import cond_op
+from hop.ops.branching.switch import switch_op
 from hop.testing import check
 
 # --- the program table: (hop program, plain-Python reference, inputs) ----------------------

@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hop
 from hop.errors import HopTypeError, OutputMismatchError
-from hop.ops.while_loop import while_loop_op
+from hop.ops.while_loops.while_loop import while_loop_op
 
 
 def reference(lower: int, upper: int, body_fn: Any, init_val: Any) -> Any:

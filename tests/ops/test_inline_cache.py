@@ -23,18 +23,18 @@ import torch
 import hop
 from hop import _validation as validation
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError
-from hop.ops import _branching_eager, _inline
-from hop.ops import cond as cond_module
-from hop.ops import switch as switch_module
+from hop.ops.branching import _call_cache, _eager
+from hop.ops.branching import cond as cond_module
+from hop.ops.branching import switch as switch_module
 
-IMPLS = ["python", *(["c"] if _inline.BUILT else [])]
+IMPLS = ["python", *(["c"] if _call_cache.BUILT else [])]
 
 
 @pytest.fixture(params=IMPLS)
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     if request.param == "python":
-        monkeypatch.setattr(cond_module, "_fast", _inline.py_cond)
-        monkeypatch.setattr(switch_module, "_fast", _inline.py_switch)
+        monkeypatch.setattr(cond_module, "_fast", _call_cache.py_cond)
+        monkeypatch.setattr(switch_module, "_fast", _call_cache.py_switch)
     validation.clear()
     yield request.param
     validation.clear()
@@ -51,13 +51,13 @@ def _cos(a: torch.Tensor) -> torch.Tensor:
 def _served_by_cache(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Calls that reach the long-hand Python path (which makes entries) are recorded."""
     seen: list[str] = []
-    real = _branching_eager.eager_one
+    real = _eager.eager_one
 
     def spy(b: Any, *args: Any) -> Any:
         seen.append(b.name)
         return real(b, *args)
 
-    monkeypatch.setattr(_branching_eager, "eager_one", spy)
+    monkeypatch.setattr(_eager, "eager_one", spy)
     return seen
 
 
@@ -68,7 +68,7 @@ def test_the_c_module_is_built_where_a_compiler_is() -> None:
         pytest.skip("no C compiler: the Python reference runs")
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         pytest.skip("no Python headers: the Python reference runs")
-    assert _inline.BUILT, "hop._fastpath did not build: pip install -e . compiles it"
+    assert _call_cache.BUILT, "hop._fastpath did not build: pip install -e . compiles it"
 
 
 def test_steady_state_calls_are_served_by_the_cache(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,7 +270,7 @@ def test_settings_and_forgotten_verdicts_bypass_the_cache(impl: str, monkeypatch
 
 
 def test_the_cache_is_bounded(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_inline, "CACHE_SIZE", 4)
+    monkeypatch.setattr(_call_cache, "CACHE_SIZE", 4)
     x = torch.randn(2)
     for rank in range(1, 12):
         y = x.reshape([1] * (rank - 1) + [2])
@@ -433,13 +433,13 @@ def test_aliases_that_are_not_views_are_cloned(impl: str, alias: Any, served: bo
 
 def _finished_in_python(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
-    real = _branching_eager.finish_ran
+    real = _eager.finish_ran
 
     def spy(*args: Any) -> Any:
         seen.append(1)
         return real(*args)
 
-    monkeypatch.setattr(_branching_eager, "finish_ran", spy)
+    monkeypatch.setattr(_eager, "finish_ran", spy)
     return seen
 
 

@@ -23,8 +23,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hop
 from hop.errors import HopError, HopTypeError, HopValueError
-from hop.ops.map import map_op
-from hop.ops.scan import scan_op
+from hop.ops.scanning.map import map_op
+from hop.ops.scanning.scan import scan_op
 
 
 def reference_map(f: Any, xs: Any, *args: Any) -> Any:

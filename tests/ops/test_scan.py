@@ -24,7 +24,7 @@ from uninitialized import all_finite, observer, traced_with_nan_fill
 
 import hop
 from hop.errors import HopError, HopTypeError, HopValueError, MutationError, OutputMismatchError
-from hop.ops.scan import scan_op
+from hop.ops.scanning.scan import scan_op
 
 
 def reference_scan(combine_fn: Any, init: Any, xs: Any, *, dim: int = 0, reverse: bool = False) -> Any:

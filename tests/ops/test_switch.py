@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hop
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError
-from hop.ops.switch import switch_op
+from hop.ops.branching.switch import switch_op
 
 
 def branches(w: torch.Tensor) -> list[Any]:

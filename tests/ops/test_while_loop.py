@@ -17,8 +17,8 @@ from uninitialized import all_finite, observer, traced_with_nan_fill
 import hop
 from hop.compile._torch_api import at_least
 from hop.errors import HopRuntimeError, HopTypeError, HopValueError, MutationError, OutputMismatchError
-from hop.ops import _checkpoint
-from hop.ops.while_loop import while_loop_op
+from hop.ops.while_loops import _checkpoint
+from hop.ops.while_loops.while_loop import while_loop_op
 
 
 def reference(cond_fn: Any, body_fn: Any, carried: Any) -> Any:
@@ -520,7 +520,7 @@ def test_raw_op_body_changing_a_carrys_dtype_or_count_is_refused_when_traced(mod
 
 
 # --- linear-time traced reverse mode ----------------------------------------------------------------
-# Note [reverse mode of a traced loop] (hop/ops/_loop_reverse.py): the backward of a traced
+# Note [reverse mode of a traced loop] (hop/ops/while_loops/_reverse.py): the backward of a traced
 # loop stacks the carries (or, with checkpoint=True, one per segment of about sqrt(n)
 # steps) and pulls the cotangent through each step once.
 
@@ -666,8 +666,8 @@ class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
         self.largest = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from hop.ops.scan import scan_dense
-        from hop.ops.while_loop import while_loop_dense
+        from hop.ops.scanning.scan import scan_dense
+        from hop.ops.while_loops.while_loop import while_loop_dense
 
         if isinstance(func, hop.HigherOrderOperator):
             with self:
@@ -938,7 +938,7 @@ def test_an_int_compared_first_traces_without_error_logs(
     assert "failed while attempting to run meta" not in logged
 
 
-# --- a traced loop run eagerly (Note [running a traced body per step] in hop.ops._graph_step) -----
+# --- a traced loop run eagerly (Note [running a traced body per step] in hop.ops._lean_body) -----
 
 
 class TensorCounted(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""hop._fastpath (C) and its Python twin in hop.ops._inline give the same answer.
+"""hop._fastpath (C) and its Python twin in hop.ops.branching._call_cache give the same answer.
 
 Hypothesis draws calls of cond and switch (branches of every kind the cache knows or
 refuses, operands of several kinds, selectors readable or not, grad on or off); each
@@ -23,14 +23,14 @@ from hypothesis import strategies as hs
 
 import hop
 from hop import _validation as validation
-from hop.ops import _inline
+from hop.ops.branching import _call_cache
 
-pytestmark = pytest.mark.skipif(not _inline.BUILT, reason="hop._fastpath is not in use: nothing to compare")
+pytestmark = pytest.mark.skipif(not _call_cache.BUILT, reason="hop._fastpath is not in use: nothing to compare")
 
 # each example takes milliseconds: many more than the profile's default
 MANY = settings(max_examples=settings.default.max_examples * 12)
 
-if _inline.BUILT:
+if _call_cache.BUILT:
     from hop import _fastpath
 
 W = torch.tensor(2.0)
@@ -146,15 +146,15 @@ def public(op: str, selector: Any, fns: tuple[Callable[..., Any], ...], x: torch
 
 def served(impl: str, op: str, selector: Any, fns: tuple[Callable[..., Any], ...], x: torch.Tensor) -> Any:
     if op == "cond":
-        call = _fastpath.cond if impl == "c" else _inline.py_cond
+        call = _fastpath.cond if impl == "c" else _call_cache.py_cond
         return call(selector, fns[0], fns[1], (x,))
-    call = _fastpath.switch if impl == "c" else _inline.py_switch
+    call = _fastpath.switch if impl == "c" else _call_cache.py_switch
     return call(selector, list(fns), (x,))
 
 
 def outcome(answer: Any) -> tuple[str, Any, Any, Any]:
     """(form, branch, entry, value) of an answer."""
-    if answer is _inline.NOT_TAKEN:
+    if answer is _call_cache.NOT_TAKEN:
         return "not taken", None, None, None
     if type(answer) is tuple:
         out, k, entry = answer
@@ -200,7 +200,7 @@ def test_c_and_python_serve_every_call_alike(sequence: list[Any]) -> None:
 def test_keys_are_equal_exactly_when_pythons_are(a: Any, b: Any) -> None:
     (_, _, fns_a, x_a, _), (_, _, fns_b, x_b, _) = a, b
     c_a, c_b = _fastpath.key(list(fns_a), x_a), _fastpath.key(list(fns_b), x_b)
-    p_a, p_b = _inline.py_key(fns_a, x_a), _inline.py_key(fns_b, x_b)
+    p_a, p_b = _call_cache.py_key(fns_a, x_a), _call_cache.py_key(fns_b, x_b)
     assert (c_a is None) == (p_a is None) and (c_b is None) == (p_b is None), (fns_a, fns_b)
     if p_a is not None and p_b is not None:
         assert (c_a == c_b) == (p_a == p_b), (fns_a, x_a.dtype, fns_b, x_b.dtype)
@@ -211,7 +211,7 @@ def test_the_c_module_refuses_another_entry_layout() -> None:
         _fastpath.configure(
             entry_fields=("items", "dtype"),
             tensor=torch.Tensor,
-            not_taken=_inline.NOT_TAKEN,
+            not_taken=_call_cache.NOT_TAKEN,
             config={},
             reference={},
             sinks=[],

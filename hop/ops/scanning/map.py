@@ -1,7 +1,7 @@
 """``hop.map`` and its raw op ``torch.ops.hop.map``.
 
 The raw op is ``map(body, xs, additional_inputs)``: a scan without carry over
-dim 0 of flat leaves (see ``_looping``). Its rules are map's registrations of
+dim 0 of flat leaves (see ``scanning._rules``). Its rules are map's registrations of
 the shared looping rules, in hop's fixed order: dense, autograd, grad / jvp,
 vmap, functionalize, fake, proxy; its derivatives are scans.
 
@@ -23,10 +23,9 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hop import _effects, _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
-from hop.ops import _loop_checks, _loop_values, _looping
-from hop.ops._branching import as_tuple
-from hop.ops._common import NOT_TAKEN, front
-from hop.ops.scan import scan_op
+from hop.ops._common import NOT_TAKEN, as_tuple, front
+from hop.ops.scanning import _checks, _rules, _values
+from hop.ops.scanning.scan import scan_op
 
 __all__ = ["map", "map_op"]
 
@@ -59,18 +58,18 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
     taken = front("map", map, map_op, _reference.reference_map, (f, xs, *args))
     if taken is not NOT_TAKEN:  # Note [a public function's front]
         return taken
-    _loop_checks.check_callable("map", "f", f)
+    _checks.check_callable("map", "f", f)
     xs_leaves, xs_spec = _pytree.flatten_dropping_none(xs)
     arg_leaves, args_spec = _pytree.flatten_dropping_none(args)
-    dims, n = _loop_checks.check_xs("map", xs, xs_leaves, 0)
-    _loop_checks.check_leaves("map", "args", args, arg_leaves, ints=True)
-    if _looping.runs_inline(n, xs_leaves, arg_leaves):
+    dims, n = _checks.check_xs("map", xs, xs_leaves, 0)
+    _checks.check_leaves("map", "args", args, arg_leaves, ints=True)
+    if _rules.runs_inline(n, xs_leaves, arg_leaves):
         if n == 0:
             return _empty_map(f, xs_leaves, xs_spec, arg_leaves, args_spec)
-        items = _loop_values.slices(xs, xs_leaves, xs_spec, dims)
-        return _loop_values.stack_ys(MAP, f, [f(x, *args) for x in items], 0, "output")
+        items = _values.slices(xs, xs_leaves, xs_spec, dims)
+        return _values.stack_ys(MAP, f, [f(x, *args) for x in items], 0, "output")
     body, y_spec, passed = _flat_body(f, xs_spec, args_spec, arg_leaves)
-    body, lifted = _looping.lift_closures(body, lambda: _looping.examples((), xs_leaves, passed))
+    body, lifted = _rules.lift_closures(body, lambda: _rules.examples((), xs_leaves, passed))
     out = map_op(body, tuple(xs_leaves), (*passed, *lifted))
     return _pytree.unflatten(as_tuple(out), y_spec[0])
 
@@ -80,13 +79,11 @@ def _empty_map(f: Fn, xs_leaves: list[Any], xs_spec: Any, arg_leaves: list[Any],
     body, y_spec, passed = _flat_body(f, xs_spec, args_spec, arg_leaves)
 
     def run(fake: list[Any]) -> list[Any]:
-        out = body(*_loop_values.empty_slices(xs_leaves, [0] * len(xs_leaves)), *fake)
-        _loop_checks.check_static(
-            MAP, f, out, _pytree.leaf_paths_dropping_none(_pytree.unflatten(out, y_spec[0]), "output")
-        )
+        out = body(*_values.empty_slices(xs_leaves, [0] * len(xs_leaves)), *fake)
+        _checks.check_static(MAP, f, out, _pytree.leaf_paths_dropping_none(_pytree.unflatten(out, y_spec[0]), "output"))
         return [(y.shape, y.dtype, y.device) for y in out]
 
-    metas = _loop_checks.on_fake(MAP, f, passed, run)
+    metas = _checks.on_fake(MAP, f, passed, run)
     return _pytree.unflatten([torch.empty((0, *s), dtype=d, device=dev) for s, d, dev in metas], y_spec[0])
 
 
@@ -101,7 +98,7 @@ def _flat_body(f: Fn, xs_spec: Any, args_spec: Any, arg_leaves: list[Any]) -> tu
         passed = iter(leaves[nx:])
         args = _pytree.unflatten([a if c else next(passed) for a, c in zip(arg_leaves, const, strict=True)], args_spec)
         out = f(_pytree.unflatten(leaves[:nx], xs_spec), *args)
-        error = _loop_checks.ys_error(MAP, f, [out], 0, "output")
+        error = _checks.ys_error(MAP, f, [out], 0, "output")
         if error is not None:
             raise error
         y_leaves, y_spec[0] = _pytree.flatten_dropping_none(out)
@@ -140,32 +137,32 @@ def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: 
     return (gm, xs, additional)
 
 
-MAP = _looping.Looping(name="map", op=map_op, role="f", call=_call, node_args=_node_args, scan=scan_op)
+MAP = _rules.Looping(name="map", op=map_op, role="f", call=_call, node_args=_node_args, scan=scan_op)
 
 
 @map_op.py_impl(DispatchKey.CompositeExplicitAutograd)
 def map_dense(body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return _looping.dense(MAP, body, (), xs, additional_inputs, False)
+    return _rules.dense(MAP, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_autograd_impl
 def map_autograd(body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return _looping.autograd(MAP, body, (), xs, additional_inputs, False)
+    return _rules.autograd(MAP, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_impl(TransformType.Grad)
 def map_grad(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return _looping.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
+    return _rules.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_impl(TransformType.Jvp)
 def map_jvp(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return _looping.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
+    return _rules.transform(MAP, interpreter, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_impl(TransformType.Vmap)
 def map_vmap(interpreter: Any, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return _looping.vmap(MAP, interpreter, body, (), xs, additional_inputs, False)
+    return _rules.vmap(MAP, interpreter, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_functionalize_impl
@@ -175,9 +172,9 @@ def map_functionalize(ctx: Any, body: Fn, xs: Sequence[Any], additional_inputs: 
 
 @map_op.py_impl(FakeTensorMode)
 def map_fake(mode: FakeTensorMode, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return _looping.fake(MAP, mode, body, (), xs, additional_inputs, False)
+    return _rules.fake(MAP, mode, body, (), xs, additional_inputs, False)
 
 
 @map_op.py_impl(ProxyTorchDispatchMode)
 def map_proxy(mode: ProxyTorchDispatchMode, body: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
-    return _looping.proxy(MAP, mode, body, (), xs, additional_inputs, False)
+    return _rules.proxy(MAP, mode, body, (), xs, additional_inputs, False)

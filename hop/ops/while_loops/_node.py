@@ -3,7 +3,7 @@
 Where the loop cannot run inline (traced carries, or ``checkpoint=True``), the
 autograd, grad and jvp rules make it one node (:func:`as_node`): forward mode is
 a loop over (carry, tangent), reverse mode is Note [reverse mode of a traced loop]
-(``_loop_reverse``). The raw op is passed in by ``hop.ops.while_loop``, which
+(``while_loops._reverse``). The raw op is passed in by ``hop.ops.while_loops.while_loop``, which
 imports this module.
 """
 
@@ -17,17 +17,16 @@ import torch
 from hop import _state, _transforms
 from hop import subgraph as _subgraph
 from hop._unbacked import unrecorded_symbols
-from hop.ops import _loop_reverse
-from hop.ops._branching import as_tuple
-from hop.ops._common import differentiable, save_operands, saved_operands
-from hop.ops._loop_checks import leaf_difference
+from hop.ops._common import as_tuple, differentiable, save_operands, saved_operands
+from hop.ops.scanning._checks import leaf_difference
+from hop.ops.while_loops import _reverse
 
 Fn = Callable[..., Any]
 
 
 class _LoopFunction(torch.autograd.Function):
     """A traced loop as one autograd node: forward mode is a loop over (carry,
-    tangent); reverse mode is Note [reverse mode of a traced loop] (_loop_reverse).
+    tangent); reverse mode is Note [reverse mode of a traced loop] (while_loops._reverse).
     Its outputs are ``(trips, *final_carry)``: the backward starts from the trip count.
     ``op`` is the raw while_loop the derivatives' loops run as."""
 
@@ -35,7 +34,7 @@ class _LoopFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(op: Any, cond_fn: Fn, body_fn: Fn, n: int, checkpoint: bool, *args: Any) -> Any:
-        return _loop_reverse.count_trips(op, cond_fn, body_fn, args[:n], args[n:])
+        return _reverse.count_trips(op, cond_fn, body_fn, args[:n], args[n:])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -60,7 +59,7 @@ class _LoopFunction(torch.autograd.Function):
             None if not differentiable(x) else (x.new_zeros(s) if g is None else g)
             for x, s, g in zip(carried, ctx.final_shapes, grads[1:], strict=True)
         ]
-        g_c, g_e = _loop_reverse.gradients(
+        g_c, g_e = _reverse.gradients(
             ctx.op,
             ctx.body_fn,
             carried,

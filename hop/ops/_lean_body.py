@@ -161,7 +161,7 @@ def _compile(
     """The step function and which of the inputs ``first`` it takes (in front of the
     others, which it always takes: those of ``first`` that nothing reads are left out).
     ``contiguous``: the outputs, a tuple, made contiguous (Note [traced bodies see
-    contiguous values] in _looping)."""
+    contiguous values] in scanning._rules)."""
     graph = gm.graph
     if type(graph._codegen) is not torch.fx.graph.CodeGen:  # pytree in/out specs: the module's own forward
         return None

@@ -3,7 +3,7 @@
 :func:`scan_vjp` gives the gradients of every operand of a scan (recomputing the
 carries with a forward scan, then scanning the body's vjp the other way);
 :func:`scan_jvp` runs the op again on the body's jvp. Besides scan and map (whose
-derivatives are scans), ``while_loop``'s reverse mode (``hop.ops._loop_reverse``)
+derivatives are scans), ``while_loop``'s reverse mode (``hop.ops.while_loops._reverse``)
 and ``associative_scan`` call them, each naming the operator the user called;
 hence a module of their own, below every operator that uses them. The raw scan
 they run is passed in, never imported.
@@ -18,9 +18,8 @@ import torch
 
 from hop import _transforms
 from hop._operator import HigherOrderOperator
-from hop.ops._branching import as_tuple
-from hop.ops._common import differentiable_at
-from hop.ops._loop_values import raw_output
+from hop.ops._common import as_tuple, differentiable_at
+from hop.ops.scanning._values import raw_output
 
 Fn = Callable[..., Any]
 

@@ -1,7 +1,7 @@
 """``hop.scan`` and its raw op ``torch.ops.hop.scan``.
 
 The raw op is ``scan(body, init, xs, additional_inputs, reverse)`` over dim 0 of
-flat leaves (see ``_looping``); rules are scan's registrations of the shared
+flat leaves (see ``scanning._rules``); rules are scan's registrations of the shared
 looping rules, in hop's fixed order: dense, autograd, grad / jvp, vmap,
 functionalize, fake, proxy.
 
@@ -25,9 +25,8 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hop import _effects, _observe, _observe_calls, _output_checks, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop.errors import HopTypeError, format_message, type_name
-from hop.ops import _loop_checks, _loop_values, _looping
-from hop.ops._branching import as_tuple
-from hop.ops._common import NOT_TAKEN, front
+from hop.ops._common import NOT_TAKEN, as_tuple, front
+from hop.ops.scanning import _checks, _rules, _values
 
 __all__ = ["scan", "scan_op"]
 
@@ -79,7 +78,7 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     )
     if taken is not NOT_TAKEN:  # Note [a public function's front]
         return taken
-    _loop_checks.check_callable("scan", "combine_fn", combine_fn)
+    _checks.check_callable("scan", "combine_fn", combine_fn)
     _output_checks.check_arity("scan", "combine_fn", combine_fn, 2, "(carry, x)")
     if type(reverse) is not bool:
         raise HopTypeError(
@@ -87,11 +86,11 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
         )
     init_leaves, init_spec = _pytree.flatten_dropping_none(init)
     xs_leaves, xs_spec = _pytree.flatten_dropping_none(xs)
-    _loop_checks.check_leaves("scan", "init", init, init_leaves)
+    _checks.check_leaves("scan", "init", init, init_leaves)
     if not xs_leaves and type(dim) is int:  # nothing to scan over: a Python loop over nothing
         return no_steps(init, xs)
-    dims, n = _loop_checks.check_xs("scan", xs, xs_leaves, dim)
-    if _looping.runs_inline(n, init_leaves, xs_leaves):
+    dims, n = _checks.check_xs("scan", xs, xs_leaves, dim)
+    if _rules.runs_inline(n, init_leaves, xs_leaves):
         try:
             return _scan_inline(combine_fn, init, xs, xs_leaves, xs_spec, dims, dim, n, reverse)
         except TypeError as e:
@@ -99,10 +98,10 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
             raise
     body, y_spec = _flat_body(combine_fn, init_spec, xs_spec, dim)
     moved = tuple(x.movedim(d, 0) if d else x for x, d in zip(xs_leaves, dims, strict=True))
-    body, lifted = _looping.lift_closures(body, lambda: _looping.examples(init_leaves, moved, ()))
+    body, lifted = _rules.lift_closures(body, lambda: _rules.examples(init_leaves, moved, ()))
     out = as_tuple(scan_op(body, tuple(init_leaves), moved, tuple(lifted), reverse))
     k = len(init_leaves)
-    ys = [y.movedim(0, _loop_values.stack_dim(dim, y.dim() - 1)) if dim else y for y in out[k:]]
+    ys = [y.movedim(0, _values.stack_dim(dim, y.dim() - 1)) if dim else y for y in out[k:]]
     return _pytree.unflatten(out[:k], init_spec), _pytree.unflatten(ys, y_spec[0])
 
 
@@ -140,25 +139,25 @@ def _scan_inline(
     """The Python loop (Note [scans run inline]); the first iteration is checked."""
     if n == 0:
         return _empty_scan(combine_fn, init, xs_leaves, xs_spec, dims, dim)
-    items = _loop_values.slices(xs, xs_leaves, xs_spec, dims)
+    items = _values.slices(xs, xs_leaves, xs_spec, dims)
     order = iter(range(n - 1, -1, -1) if r else range(n))
     ys: list[Any] = [None] * n
     i = next(order)
     out = combine_fn(init, items[i])
     if type(out) not in _PAIR or len(out) != 2:
-        raise _loop_checks.not_a_pair(SCAN, combine_fn, out)
+        raise _checks.not_a_pair(SCAN, combine_fn, out)
     carry, ys[i] = out
-    leaves = _loop_checks.check_carry(SCAN, combine_fn, init, carry)
+    leaves = _checks.check_carry(SCAN, combine_fn, init, carry)
     for i in order:
         out = combine_fn(carry, items[i])
         if type(out) not in _PAIR or len(out) != 2:
-            raise _loop_checks.not_a_pair(SCAN, combine_fn, out)
+            raise _checks.not_a_pair(SCAN, combine_fn, out)
         carry, ys[i] = out
     if n > 1:  # the first iteration was checked; a later one may change the carry's structure
-        leaves = _loop_checks.check_carry(SCAN, combine_fn, init, carry)
+        leaves = _checks.check_carry(SCAN, combine_fn, init, carry)
     init_leaves, init_spec = _pytree.flatten_dropping_none(init)
-    final = _pytree.unflatten(_loop_values.no_alias(leaves, [*init_leaves, *xs_leaves]), init_spec)
-    return final, _loop_values.stack_ys(SCAN, combine_fn, ys, dim, "y")
+    final = _pytree.unflatten(_values.no_alias(leaves, [*init_leaves, *xs_leaves]), init_spec)
+    return final, _values.stack_ys(SCAN, combine_fn, ys, dim, "y")
 
 
 def _empty_scan(
@@ -169,17 +168,17 @@ def _empty_scan(
 
     def run(fake: list[Any]) -> Any:
         out = _flat_body(combine_fn, init_spec, xs_spec, dim)
-        flat = out[0](*fake, *_loop_values.empty_slices(xs_leaves, dims))
+        flat = out[0](*fake, *_values.empty_slices(xs_leaves, dims))
         ys = flat[len(fake) :]
-        _loop_checks.check_static(
+        _checks.check_static(
             SCAN, combine_fn, ys, _pytree.leaf_paths_dropping_none(_pytree.unflatten(ys, out[1][0]), "y")
         )
         return [(y.shape, y.dtype, y.device) for y in ys], out[1][0]
 
-    metas, spec = _loop_checks.on_fake(SCAN, combine_fn, init_leaves, run)
+    metas, spec = _checks.on_fake(SCAN, combine_fn, init_leaves, run)
     ys = []
     for shape, dtype, device in metas:
-        at = _loop_values.stack_dim(dim, len(shape))
+        at = _values.stack_dim(dim, len(shape))
         ys.append(torch.empty((*shape[:at], 0, *shape[at:]), dtype=dtype, device=device))
     return _pytree.unflatten([t.clone() for t in init_leaves], init_spec), _pytree.unflatten(ys, spec)
 
@@ -193,9 +192,9 @@ def _flat_body(combine_fn: Fn, init_spec: Any, xs_spec: Any, dim: int) -> tuple[
         carry = _pytree.unflatten(leaves[:nc], init_spec)
         out = combine_fn(carry, _pytree.unflatten(leaves[nc:], xs_spec))
         if type(out) not in _PAIR or len(out) != 2:
-            raise _loop_checks.not_a_pair(SCAN, combine_fn, out)
-        carry_leaves = _loop_checks.check_carry(SCAN, combine_fn, carry, out[0])
-        error = _loop_checks.ys_error(SCAN, combine_fn, [out[1]], dim, "y")
+            raise _checks.not_a_pair(SCAN, combine_fn, out)
+        carry_leaves = _checks.check_carry(SCAN, combine_fn, carry, out[0])
+        error = _checks.ys_error(SCAN, combine_fn, [out[1]], dim, "y")
         if error is not None:
             raise error
         y_leaves, y_spec[0] = _pytree.flatten_dropping_none(out[1])
@@ -232,42 +231,42 @@ def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: 
     return (gm, init, xs, additional, r)
 
 
-SCAN = _looping.Looping(name="scan", op=scan_op, role="combine_fn", call=_call, node_args=_node_args, scan=scan_op)
+SCAN = _rules.Looping(name="scan", op=scan_op, role="combine_fn", call=_call, node_args=_node_args, scan=scan_op)
 
 
 @scan_op.py_impl(DispatchKey.CompositeExplicitAutograd)
 def scan_dense(
     body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return _looping.dense(SCAN, body, init, xs, additional_inputs, reverse)
+    return _rules.dense(SCAN, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_autograd_impl
 def scan_autograd(
     body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return _looping.autograd(SCAN, body, init, xs, additional_inputs, reverse)
+    return _rules.autograd(SCAN, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_impl(TransformType.Grad)
 def scan_grad(
     interpreter: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return _looping.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
+    return _rules.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_impl(TransformType.Jvp)
 def scan_jvp(
     interpreter: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return _looping.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
+    return _rules.transform(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_impl(TransformType.Vmap)
 def scan_vmap(
     interpreter: Any, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], reverse: bool
 ) -> Any:
-    return _looping.vmap(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
+    return _rules.vmap(SCAN, interpreter, body, init, xs, additional_inputs, reverse)
 
 
 @scan_op.py_functionalize_impl
@@ -281,7 +280,7 @@ def scan_functionalize(
 def scan_fake(
     mode: FakeTensorMode, body: Fn, init: Sequence[Any], xs: Sequence[Any], additional_inputs: Sequence[Any], r: bool
 ) -> Any:
-    return _looping.fake(SCAN, mode, body, init, xs, additional_inputs, r)
+    return _rules.fake(SCAN, mode, body, init, xs, additional_inputs, r)
 
 
 @scan_op.py_impl(ProxyTorchDispatchMode)
@@ -293,4 +292,4 @@ def scan_proxy(
     additional_inputs: Sequence[Any],
     reverse: bool,
 ) -> Any:
-    return _looping.proxy(SCAN, mode, body, init, xs, additional_inputs, reverse)
+    return _rules.proxy(SCAN, mode, body, init, xs, additional_inputs, reverse)

@@ -5,7 +5,7 @@ An exported node cannot mix ints and tensors in one list, so :func:`ints_as_tens
 int64 tensors that ``.item()`` turns back into unbacked SymInts inside. Which of
 the two a condition or a body is given is Note [int carries in a traced
 condition]; :func:`body_on_tensors` is the body that takes tensors. The raw op is
-passed in by ``hop.ops.while_loop``, which imports this module.
+passed in by ``hop.ops.while_loops.while_loop``, which imports this module.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from hop import _closures
 from hop import subgraph as _subgraph
 from hop._state import counted_as
 from hop._transforms import batched_inside
-from hop._unbacked import assert_ranges, assume_range, carry_ranges, trial_run
+from hop._unbacked import assert_ranges, assume_range, trial_run
+from hop._unbacked_loops import carry_ranges
 from hop.errors import HopError, HopValueError, format_message
-from hop.ops._branching import as_tuple
-from hop.ops._while_checks import NAME
+from hop.ops._common import as_tuple
+from hop.ops.while_loops._checks import NAME
 
 Fn = Callable[..., Any]
 DERIVED = "the range derived from the initial value and body_fn"

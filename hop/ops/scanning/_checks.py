@@ -33,7 +33,7 @@ _check: Callable[..., None] = torch._check  # untyped in torch
 
 
 class Names(Protocol):
-    """What the checks read of a looping operator's record (``hop.ops._looping.Looping``)."""
+    """What the checks read of a looping operator's record (``hop.ops.scanning._rules.Looping``)."""
 
     @property
     def name(self) -> str: ...  # the operator: "scan"

@@ -29,7 +29,7 @@ cache holds :data:`CACHE_SIZE`.
 
 :func:`cond` and :func:`switch` return the result, :data:`NOT_TAKEN` (nothing ran:
 Python takes over), or ``(out, k, entry)``: branch ``k`` ran and returned ``out``,
-which ``_branching_eager.finish_ran`` finishes (a new output kind, zero gradients to
+which ``branching._eager.finish_ran`` finishes (a new output kind, zero gradients to
 attach, an alias to clone).
 
 The two give the same answer for every call (tests/property/test_fastpath_twin.py
@@ -55,8 +55,8 @@ from hop import _closures, _observe, _reference, config
 from hop import _validation as validation
 from hop._transforms import functorch_level, mode_stack_len, nothing_active, tf_mode_enabled
 from hop.ops._common import NOT_TAKEN  # one sentinel: this path did not take the call
-from hop.ops._zero_grads import ACCUMULATE_GRAD as _AccumulateGrad
-from hop.ops._zero_grads import reads_nothing
+from hop.ops.branching._untaken_grads import ACCUMULATE_GRAD as _AccumulateGrad
+from hop.ops.branching._untaken_grads import reads_nothing
 
 __all__ = ["BUILT", "CACHE_SIZE", "NOT_TAKEN", "Entry", "cond", "key", "remember", "switch"]
 
@@ -139,7 +139,7 @@ def _usual(kinds: set[Any], operand_kind: Any) -> Any:
 
 
 def py_cond(pred: Any, true_fn: Fn, false_fn: Fn, operands: Any) -> Any:
-    """The result, :data:`NOT_TAKEN`, or ``(out, k, entry)`` for ``_branching_eager.finish_ran``."""
+    """The result, :data:`NOT_TAKEN`, or ``(out, k, entry)`` for ``branching._eager.finish_ran``."""
     if type(pred) is not _Tensor or type(operands) is not tuple or len(operands) != 1:
         return NOT_TAKEN
     x = operands[0]
@@ -198,7 +198,7 @@ def reaches(out: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``out``'s autograd graph reaches ``x`` within :data:`REACH` nodes,
     visited breadth first from ``out.grad_fn`` (duplicates count): then ``x`` gets its
     gradient from the branch that ran and no zero-gradient node is needed (Note
-    [untaken branches get zero gradients]; ``_zero_grads`` walks further when this
+    [untaken branches get zero gradients]; ``branching._untaken_grads`` walks further when this
     says no)."""
     target = x.grad_fn  # None for a leaf: its AccumulateGrad node holds it
     fn = out.grad_fn
@@ -252,7 +252,7 @@ def _configure() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., 
     if os.environ.get("HOP_FASTPATH", "1") == "0":
         return py_cond, py_switch, py_key
     try:
-        from hop import _fastpath
+        from hop import _fastpath  # optional: the C extension builds where a compiler was found
     except ImportError:  # not built (no compiler at install time): the same, in Python
         return py_cond, py_switch, py_key
     _fastpath.configure(

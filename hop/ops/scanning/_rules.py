@@ -12,8 +12,8 @@ The output is ``(*final_carry, *ys)``, a bare tensor for one leaf, with ``ys``
 stacked along dim 0 in the order of ``xs`` (also when ``reverse``). Each rule
 is written once against a :class:`Looping` and registered on both raw ops by
 ``scan.py`` and ``map.py``; both ops differentiate through ``scan``. The checks
-(``_loop_checks``), the layout of slices and outputs (``_loop_values``) and scan's
-derivatives (``_scan_derivatives``) are modules of their own below this one.
+(``scanning._checks``), the layout of slices and outputs (``scanning._values``) and scan's
+derivatives (``scanning._derivatives``) are modules of their own below this one.
 
 Note [scans run inline]
 As for cond (Note [eager branches run inline]), a scan over real tensors (real
@@ -35,16 +35,16 @@ import torch
 
 from hop import _closures, _lifting, _tracing, _transforms
 from hop._operator import HigherOrderOperator
-from hop._unbacked import per_step_sizes, rebind_sizes, run_in_subgraph
+from hop._unbacked_loops import per_step_sizes, rebind_sizes, run_in_subgraph
 from hop.errors import (
     HopValueError,
     format_message,
 )
-from hop.ops import _common, _graph_step
-from hop.ops._branching import as_tuple
+from hop.ops import _common, _lean_body
 from hop.ops._common import (
     Vmapped,
     Writes,
+    as_tuple,
     differentiable,
     lower_vmap,
     record_node,
@@ -52,9 +52,9 @@ from hop.ops._common import (
     saved_operands,
     trace_callables,
 )
-from hop.ops._loop_checks import LENGTH, check_carry, check_static, on_fake
-from hop.ops._loop_values import empty_slices, no_alias, raw_output
-from hop.ops._scan_derivatives import scan_jvp, scan_vjp
+from hop.ops.scanning._checks import LENGTH, check_carry, check_static, on_fake
+from hop.ops.scanning._derivatives import scan_jvp, scan_vjp
+from hop.ops.scanning._values import empty_slices, no_alias, raw_output
 
 Fn = Callable[..., Any]
 _Tensor = torch.Tensor
@@ -97,7 +97,7 @@ def dense(
         return _empty(looping, body, init, xs, additional)
     nc = len(init)
     # a traced body has no module hooks: skip nn.Module's call path (Note [running a traced body per step])
-    step = (_graph_step.step_function(body) or body.forward) if isinstance(body, torch.fx.GraphModule) else body
+    step = (_lean_body.step_function(body) or body.forward) if isinstance(body, torch.fx.GraphModule) else body
     carry: Sequence[Any] = tuple(c.contiguous() for c in init) if traced else tuple(init)
     ys: list[Any] = [None] * n
     for i in range(n - 1, -1, -1) if reverse else range(n):

@@ -1,6 +1,6 @@
 """``hop.switch`` and its raw op ``torch.ops.hop.switch``: an n-way cond.
 
-Rules are switch's registrations of the shared branching rules (``_branching_rules``),
+Rules are switch's registrations of the shared branching rules (``branching._rules``),
 in hop's fixed order: dense, autograd, grad / jvp, vmap, functionalize, fake,
 proxy. An index out of range is never clamped: eager raises, traced programs
 carry a runtime assert.
@@ -25,10 +25,10 @@ from hop import _effects, _observe, _observe_calls, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop._transforms import in_plain_eager, is_dynamo_compiling, is_plain_tensor, mode_stack_len
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
-from hop.ops import _branching, _inline
-from hop.ops import _branching_eager as fast
-from hop.ops import _branching_rules as rules
 from hop.ops._common import NOT_TAKEN, front, refuse_legacy_onnx
+from hop.ops.branching import _call_cache, _record
+from hop.ops.branching import _eager as fast
+from hop.ops.branching import _rules as rules
 
 __all__ = ["switch", "switch_op"]
 
@@ -40,7 +40,7 @@ Fn = Callable[..., Any]
 _check: Callable[..., None] = torch._check  # untyped in torch
 _SINKS = _observe.SINKS
 _tracing_state = torch._C._get_tracing_state
-_fast = _inline.switch
+_fast = _call_cache.switch
 
 
 def switch(
@@ -87,7 +87,7 @@ def switch(
         and type(branches) in _SEQUENCES
         and index.dtype in _INDEX_DTYPES
         and in_plain_eager()  # Note [plain eager]
-    ):  # see _branching_eager
+    ):  # see branching._eager
         try:
             k = int(index)  # meta or several elements raise: the general path explains
         except (RuntimeError, NotImplementedError, ValueError):
@@ -116,10 +116,10 @@ def switch(
                 raise HopTypeError(
                     format_message("switch", f"{role} must be callable, got {type_name(fn)}"), op="switch", role=role
                 )
-        _branching.check_operands("switch", operands)
+        _record.check_operands("switch", operands)
         return branches[_index(index, len(branches))](*operands)
     taken = k if 0 <= k < len(branches) else None
-    return _branching.call(SWITCH, index, tuple(branches), operands, taken=taken)
+    return _record.call(SWITCH, index, tuple(branches), operands, taken=taken)
 
 
 def check_index(index: Any) -> None:
@@ -270,7 +270,7 @@ SPEC = _spec.register(
     )
 )
 
-SWITCH = _branching.Branching(
+SWITCH = _record.Branching(
     name="switch",
     op=switch_op,
     call=_call,

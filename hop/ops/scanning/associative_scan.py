@@ -52,10 +52,10 @@ from hop import (
 )
 from hop._operator import HigherOrderOperator
 from hop.errors import HopError, HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
-from hop.ops import _common, _loop_checks, _loop_values, _looping, _scan_derivatives
-from hop.ops._branching import as_tuple
-from hop.ops._common import NOT_TAKEN, differentiable, front, save_operands, saved_operands
-from hop.ops.scan import SCAN, scan_op
+from hop.ops import _common
+from hop.ops._common import NOT_TAKEN, as_tuple, differentiable, front, save_operands, saved_operands
+from hop.ops.scanning import _checks, _derivatives, _rules, _values
+from hop.ops.scanning.scan import SCAN, scan_op
 
 __all__ = ["associative_scan", "associative_scan_op"]
 
@@ -104,15 +104,15 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
         return taken
     check_options(combine_fn, reverse, combine_mode)
     leaves, spec = _pytree.flatten_dropping_none(xs)
-    dims, n = _loop_checks.check_xs(_NAME, xs, leaves, dim)
+    dims, n = _checks.check_xs(_NAME, xs, leaves, dim)
     moved = [x.movedim(d, 0) if d else x for x, d in zip(leaves, dims, strict=True)]
     moved = [x.flip(0) for x in moved] if reverse else moved
     body = _flat_body(combine_fn, spec, xs, combine_mode)
-    if _looping.runs_inline(n, leaves):
+    if _rules.runs_inline(n, leaves):
         out = associative_scan_dense(body, moved, (), combine_mode)
     else:
-        body, lifted = _looping.lift_closures(
-            body, lambda: [*_looping.examples((), moved, ()), *_looping.examples((), moved, ())]
+        body, lifted = _rules.lift_closures(
+            body, lambda: [*_rules.examples((), moved, ()), *_rules.examples((), moved, ())]
         )
         out = associative_scan_op(body, tuple(moved), tuple(lifted), combine_mode)
     out = [o.flip(0) for o in as_tuple(out)] if reverse else as_tuple(out)
@@ -121,7 +121,7 @@ def associative_scan(combine_fn: Fn, xs: Any, dim: int, reverse: bool = False, c
 
 def check_options(combine_fn: Any, reverse: Any, combine_mode: Any) -> None:
     """The arguments besides ``xs`` and ``dim`` (also checked by the Dynamo handler)."""
-    _loop_checks.check_callable(_NAME, "combine_fn", combine_fn)
+    _checks.check_callable(_NAME, "combine_fn", combine_fn)
     if combine_mode not in _MODES:
         raise HopValueError(
             format_message(_NAME, f'combine_mode must be "pointwise" or "generic", got {combine_mode!r}'),
@@ -159,7 +159,7 @@ def _flat_body(combine_fn: Fn, spec: Any, xs: Any, combine_mode: str) -> Fn:
                 role="combine_fn",
             ) from e
         try:
-            checked = _loop_checks.check_like(_NAME, "combine_fn", combine_fn, lhs, out, "output", "xs and the output")
+            checked = _checks.check_like(_NAME, "combine_fn", combine_fn, lhs, out, "output", "xs and the output")
         except OutputMismatchError as e:
             if not fix or not re.search(r"differ: (rank|shape|size)", str(e)):
                 raise
@@ -225,10 +225,10 @@ def associative_scan_dense(
         combine = torch.vmap(combine_fn, in_dims=(*[0] * (2 * nx), *[None] * len(additional_inputs)))
     n = xs[0].shape[0]
     if type(n) is not int:
-        _common.refuse_legacy_onnx(_NAME, _loop_checks.LENGTH)
+        _common.refuse_legacy_onnx(_NAME, _checks.LENGTH)
         n = _common.static_size(n)  # Note [sizes under jit.trace]
     out = _prefix_scan(combine, xs, additional_inputs, n)
-    return _loop_values.raw_output(_loop_values.no_alias(out, [*xs, *additional_inputs]))
+    return _values.raw_output(_values.no_alias(out, [*xs, *additional_inputs]))
 
 
 @associative_scan_op.py_autograd_impl
@@ -241,8 +241,8 @@ def associative_scan_autograd(
     node (Note [closure conversion] in hop._closures: a node differentiates its inputs only)."""
     n = xs[0].shape[0]
     if type(n) is int and n == 0:  # an empty scan is its input, under every transform
-        return _loop_values.raw_output([x.clone() for x in xs])
-    if _looping.runs_inline(n, xs, additional_inputs):
+        return _values.raw_output([x.clone() for x in xs])
+    if _rules.runs_inline(n, xs, additional_inputs):
         return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
     (combine_fn,), captured = _closures.convert_closures([combine_fn], [*xs, *additional_inputs])
     args = (*xs, *additional_inputs, *captured)
@@ -265,8 +265,8 @@ def associative_scan_jvp(
 
 def _transform(interpreter: Any, combine_fn: Fn, xs: Sequence[Any], additional: Sequence[Any], mode: str) -> Any:
     """As autograd, with the closed-over tensors the transform tracks made explicit inputs."""
-    if not _looping.runs_inline(xs[0].shape[0], xs, additional):
-        combine_fn, extra = _looping.lift_transform_closures(combine_fn, interpreter.level())
+    if not _rules.runs_inline(xs[0].shape[0], xs, additional):
+        combine_fn, extra = _rules.lift_transform_closures(combine_fn, interpreter.level())
         additional = (*additional, *extra)
     return associative_scan_autograd(combine_fn, xs, additional, mode)
 
@@ -277,7 +277,7 @@ def associative_scan_vmap(
 ) -> Any:
     """Inline for real tensors; else the op one level down on the vmapped (generic) ``combine_fn``,
     every leaf of ``xs`` batched at dim 1."""
-    if _looping.runs_inline(xs[0].shape[0], xs, additional_inputs):
+    if _rules.runs_inline(xs[0].shape[0], xs, additional_inputs):
         return associative_scan_dense(combine_fn, xs, additional_inputs, combine_mode)
 
     def batched(values: list[list[Any]], dims: list[list[int | None]], size: int, vmapped: _common.Vmapped) -> Any:
@@ -311,10 +311,10 @@ def associative_scan_fake(
 ) -> Any:
     """Outputs shaped like ``xs``, after checking ``combine_fn`` on one pair of fake slices."""
     with mode:
-        slices = _loop_values.empty_slices(xs, [0] * len(xs))
-        out = as_tuple(combine_fn(*slices, *_loop_values.empty_slices(xs, [0] * len(xs)), *additional_inputs))
-        _loop_checks.check_like(_NAME, "combine_fn", combine_fn, slices, list(out), "output", "xs and the output")
-        return _loop_values.raw_output([torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs])
+        slices = _values.empty_slices(xs, [0] * len(xs))
+        out = as_tuple(combine_fn(*slices, *_values.empty_slices(xs, [0] * len(xs)), *additional_inputs))
+        _checks.check_like(_NAME, "combine_fn", combine_fn, slices, list(out), "output", "xs and the output")
+        return _values.raw_output([torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs])
 
 
 @associative_scan_op.py_impl(ProxyTorchDispatchMode)
@@ -326,11 +326,11 @@ def associative_scan_proxy(
     combine_mode: str,
 ) -> Any:
     examples = [
-        *_loop_values.empty_slices(xs, [0] * len(xs)),
-        *_loop_values.empty_slices(xs, [0] * len(xs)),
+        *_values.empty_slices(xs, [0] * len(xs)),
+        *_values.empty_slices(xs, [0] * len(xs)),
         *additional_inputs,
     ]
-    (gm,), lifted = _common.trace_callables(_NAME, ["combine_fn"], [combine_fn], examples, _looping.BODY_WRITES)
+    (gm,), lifted = _common.trace_callables(_NAME, ["combine_fn"], [combine_fn], examples, _rules.BODY_WRITES)
     all_additional = (*additional_inputs, *lifted)
     return _common.record_node(
         mode,
@@ -355,7 +355,7 @@ def _sequential(combine_fn: Fn) -> Fn:
 class _Function(torch.autograd.Function):
     """An associative scan of traced values as one autograd node. Its derivatives are those of
     the sequential scan ``out[0] = xs[0]``, ``out[t] = combine_fn(out[t - 1], xs[t])``: a reverse
-    ``hop.scan`` of the vjp of ``combine_fn`` and a ``hop.scan`` of its jvp (``_scan_derivatives``)."""
+    ``hop.scan`` of the vjp of ``combine_fn`` and a ``hop.scan`` of its jvp (``scanning._derivatives``)."""
 
     generate_vmap_rule = True
 
@@ -382,7 +382,7 @@ class _Function(torch.autograd.Function):
         g_ys = [g[1:] if d and g is not None else None for g, d in zip(grads, diff, strict=True)]
         zeros = [torch.zeros_like(i) if d else None for i, d in zip(init, diff, strict=True)]
         rest = [x[1:] for x in xs]
-        g = _scan_derivatives.scan_vjp(
+        g = _derivatives.scan_vjp(
             scan_op,
             _sequential(ctx.combine_fn),
             init,
@@ -408,10 +408,8 @@ class _Function(torch.autograd.Function):
         t_in = [*(t.select(0, 0) for t in t_xs), *(t[1:] for t in t_xs), *tangents[3 + nx :]]
         rest = [x[1:] for x in xs]
         out = as_tuple(
-            _scan_derivatives.scan_jvp(
-                SCAN.call, _sequential(ctx.combine_fn), init, rest, additional, False, t_in, diff * 2
-            )
+            _derivatives.scan_jvp(SCAN.call, _sequential(ctx.combine_fn), init, rest, additional, False, t_in, diff * 2)
         )
-        return _loop_values.raw_output(
+        return _values.raw_output(
             [None if t is None else torch.cat([t0[:1], t]) for t0, t in zip(t_xs, out[nx:], strict=True)]
         )

@@ -29,7 +29,7 @@ import torch
 
 from hop._operator import HigherOrderOperator, declare_own
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
-from hop.ops.while_loop import while_loop
+from hop.ops.while_loops.while_loop import while_loop
 
 __all__ = ["bounded_while", "bounded_while_op"]
 

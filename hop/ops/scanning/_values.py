@@ -18,7 +18,7 @@ import optree
 import torch
 
 from hop import _effects
-from hop.ops._loop_checks import Fn, Names, ys_error
+from hop.ops.scanning._checks import Fn, Names, ys_error
 
 _Tensor = torch.Tensor
 

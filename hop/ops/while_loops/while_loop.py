@@ -5,8 +5,8 @@ The raw op is ``while_loop(cond_fn, body_fn, carried_inputs, additional_inputs)`
 inputs are what the functions close over, lifted when traced. Rules in hop's
 fixed order: dense, autograd, grad / jvp, vmap, functionalize, fake, proxy. The
 mechanisms they call are modules of their own below this one: the checks
-(``_while_checks``), the loops that run as Python (``_while_run``), int carries
-when traced (``_while_ints``) and the autograd node (``_while_node``).
+(``while_loops._checks``), the loops that run as Python (``while_loops._run``), int carries
+when traced (``while_loops._int_carries``) and the autograd node (``while_loops._node``).
 
 Note [loops run inline]
 As for cond (Note [eager branches run inline]), a loop whose carries are real
@@ -38,23 +38,25 @@ from hop import _effects, _observe, _reference, _spec, _tracing, _transforms
 from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop._operator import HigherOrderOperator
-from hop._unbacked import generalize_carries
-from hop.ops import _checkpoint, _while_node, _while_run
-from hop.ops import _while_checks as checks
-from hop.ops._branching import as_tuple, no_alias, same_form
+from hop._unbacked_loops import generalize_carries
 from hop.ops._common import (
     NOT_TAKEN,
     Vmapped,
     Writes,
+    as_tuple,
     dense_carries,
     front,
     lower_vmap,
+    no_alias,
     record_node,
     runs_inline,
+    same_form,
     trace_callables,
 )
-from hop.ops._while_checks import NAME as _NAME
-from hop.ops._while_ints import DERIVED, ints_as_tensors
+from hop.ops.while_loops import _checkpoint, _node, _run
+from hop.ops.while_loops import _checks as checks
+from hop.ops.while_loops._checks import NAME as _NAME
+from hop.ops.while_loops._int_carries import DERIVED, ints_as_tensors
 
 __all__ = ["while_loop", "while_loop_op"]
 
@@ -88,7 +90,7 @@ def while_loop(
         checkpoint: reverse mode with bounded memory: keep about sqrt(n) carries
             and recompute the iterations between them in the backward pass,
             instead of every iteration's carry or intermediates (eager, torch.func
-            and traced; Note [reverse mode of a traced loop] in ``_loop_reverse``).
+            and traced; Note [reverse mode of a traced loop] in ``while_loops._reverse``).
 
     Eager calls run the Python loop (the functions are checked once per
     signature on fake tensors). Autograd, torch.func and vmap (also with a
@@ -121,8 +123,8 @@ def while_loop(
             return _subgraph.unflatten(list(out), spec)
         if _SINKS:  # count the trips
             cond_fn = _observe.counted(_NAME, cond_fn)
-        return _while_run.run_eager(cond_fn, body_fn, carried_inputs, leaves)
-    out = while_loop_op(flat_cond, flat_body, tuple(leaves), (), **_while_node.flag(checkpoint))
+        return _run.run_eager(cond_fn, body_fn, carried_inputs, leaves)
+    out = while_loop_op(flat_cond, flat_body, tuple(leaves), (), **_node.flag(checkpoint))
     return _subgraph.unflatten(list(as_tuple(out)) if len(leaves) != 1 else [out], spec)
 
 
@@ -140,7 +142,7 @@ def _inline_or_node(
         _checkpoint.check_flag(checkpoint)
     if runs_inline(carried, additional) and not checkpoint:
         return while_loop_dense(cond_fn, body_fn, carried, additional)
-    return _while_node.as_node(while_loop_op, cond_fn, body_fn, carried, additional, checkpoint, level)
+    return _node.as_node(while_loop_op, cond_fn, body_fn, carried, additional, checkpoint, level)
 
 
 # --- the raw op and its rules -----------------------------------------------------------------
@@ -176,7 +178,7 @@ def while_loop_dense(
     *,
     checkpoint: bool = False,
 ) -> Any:
-    out = _while_run.run(cond_fn, body_fn, carried_inputs, additional_inputs)
+    out = _run.run(cond_fn, body_fn, carried_inputs, additional_inputs)
     return no_alias(same_form(tuple(carried_inputs), out) if len(out) != 1 else out[0], carried_inputs)
 
 
@@ -234,7 +236,7 @@ def while_loop_vmap(
     cond_b, body_b = _tracing.per_element_sizes(cond_fn), _tracing.per_element_sizes(body_fn)
     if runs_inline(carried_inputs, additional_inputs):
         return while_loop_dense(cond_b, body_b, carried_inputs, additional_inputs)
-    flag = _while_node.flag(checkpoint)
+    flag = _node.flag(checkpoint)
 
     def batched(values: list[list[Any]], dims: list[list[int | None]], size: int, vmapped: Vmapped) -> Any:
         (carried, extra), (c_dims, e_dims) = values, dims
@@ -262,10 +264,10 @@ def while_loop_vmap(
 
         def step(*args: Any) -> tuple[Any, ...]:
             active = cond_b(*args)
-            if not _while_run.batched_here(active):  # every element steps: no mask
-                return _while_run.checked_step(body_b, args[:n], args[n:])
+            if not _run.batched_here(active):  # every element steps: no mask
+                return _run.checked_step(body_b, args[:n], args[n:])
             # Note [finished elements are not differentiated]; an int carry must not change
-            return _while_run.active_step(active, body_b, args[:n], args[n:])
+            return _run.active_step(active, body_b, args[:n], args[n:])
 
         n = len(carried)
         masked_body = vmapped(step, in_dims, tuple(0 if t else None for t in tensor))
@@ -291,7 +293,7 @@ def while_loop_functionalize(
     checkpoint: bool = False,
 ) -> Any:
     args = (cond_fn, body_fn, carried_inputs, additional_inputs)
-    return _effects.functionalize_rule(while_loop_op, SPEC, ctx, args, _while_node.flag(checkpoint))
+    return _effects.functionalize_rule(while_loop_op, SPEC, ctx, args, _node.flag(checkpoint))
 
 
 @while_loop_op.py_impl(FakeTensorMode)
@@ -331,12 +333,12 @@ def while_loop_proxy(
     dense = dense_carries(mode, carried_inputs)  # Note [a traced loop's carries are dense]
     if dense is not None:
         with mode:
-            return while_loop_op(cond_fn, body_fn, dense, tuple(additional_inputs), **_while_node.flag(checkpoint))
+            return while_loop_op(cond_fn, body_fn, dense, tuple(additional_inputs), **_node.flag(checkpoint))
     fake_mode = torch._guards.detect_fake_mode([*carried_inputs, *additional_inputs])
     shape_env = fake_mode.shape_env if fake_mode is not None else None
     if shape_env is not None and any(type(c) is int for c in carried_inputs):
         return ints_as_tensors(
-            functools.partial(while_loop_op, **_while_node.flag(checkpoint)),
+            functools.partial(while_loop_op, **_node.flag(checkpoint)),
             mode,
             cond_fn,
             body_fn,
@@ -359,7 +361,7 @@ def while_loop_proxy(
     )
     checks.check_cond_graph(cond_graph, cond_fn)
     extra = (*additional_inputs, *lifted)
-    flag = _while_node.flag(checkpoint)
+    flag = _node.flag(checkpoint)
     return record_node(
         mode,
         _NAME,

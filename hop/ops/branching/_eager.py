@@ -1,13 +1,13 @@
 """The eager fast paths of cond and switch, written out long-hand.
 
-A plain eager call (Note [eager branches run inline] in ``_branching``) whose
+A plain eager call (Note [eager branches run inline] in ``branching._record``) whose
 signature is already validated skips the pytree work and the checks the verdict
 has passed: :func:`eager_one` serves the commonest call (one tensor operand,
 closure-free branches) and leaves an inline-cache entry (Note [the eager inline
-cache] in ``_inline``), :func:`eager_fast` any flat tensor operands, and
+cache] in ``branching._call_cache``), :func:`eager_fast` any flat tensor operands, and
 :func:`finish_ran` / :func:`finish_eager` finish what the cache or these ran
 (a new output kind, zero gradients, an alias of an operand). Each returns
-:data:`NOT_TAKEN` when the general path (``_branching.call``) must take the call.
+:data:`NOT_TAKEN` when the general path (``branching._record.call``) must take the call.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 
 from hop import _closures, _effects, config
 from hop import _validation as validation
-from hop.ops import _inline
-from hop.ops._branching import BY_NAME, Branching, check_new_kind, no_alias_tree
 from hop.ops._common import NOT_TAKEN
-from hop.ops._zero_grads import reads_nothing, zero_untaken
+from hop.ops.branching import _call_cache
+from hop.ops.branching._record import BY_NAME, Branching, check_new_kind, no_alias_tree
+from hop.ops.branching._untaken_grads import reads_nothing, zero_untaken
 
 Fn = Callable[..., Any]
 
@@ -96,7 +96,7 @@ def eager_one(branching: Branching, k: int, branches: Sequence[Fn], x: torch.Ten
     kinds = _VERDICTS.get(signature)
     if kinds is None:
         return NOT_TAKEN
-    _inline.remember(branching.name, branches, x, signature, kinds)  # later calls: Note [the eager inline cache]
+    _call_cache.remember(branching.name, branches, x, signature, kinds)  # later calls: Note [the eager inline cache]
     out = branches[k](x)
     # Note [outputs are checked on every call]
     if (type(out) is not _Tensor or (out.dtype, out.ndim, out.get_device()) not in kinds) and not (

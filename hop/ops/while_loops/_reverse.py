@@ -9,7 +9,7 @@ forward node also counts the trips (one more carry, an int64 tensor). From n:
   stacks the carry before every step (an O(n) buffer whose length is the
   unbacked n), then a reverse scan pulls the cotangent through each step with
   ``torch.func.vjp`` and sums the additional inputs' gradients in its carry.
-  That is scan's own backward (``_scan_derivatives.scan_vjp``) applied to the loop seen
+  That is scan's own backward (``_derivatives.scan_vjp``) applied to the loop seen
   as a scan of n steps: 2n body runs after the forward's n (one in each vjp),
   n carries in memory.
 - ``segments`` (``checkpoint=True``): segments of s = ceil(sqrt(n)) steps. A scan
@@ -44,10 +44,10 @@ from hop import _transforms
 from hop._operator import HigherOrderOperator
 from hop._unbacked import unrecorded_symbols
 from hop.errors import HopRuntimeError, format_message
-from hop.ops import _scan_derivatives, _while_run
-from hop.ops._branching import as_tuple
-from hop.ops._common import differentiable
-from hop.ops.scan import scan_op
+from hop.ops._common import as_tuple, differentiable
+from hop.ops.scanning import _derivatives
+from hop.ops.scanning.scan import scan_op
+from hop.ops.while_loops import _run
 
 __all__ = ["count_trips", "gradients"]
 
@@ -182,13 +182,13 @@ def _size(count: _Tensor) -> Any:
 def _masked(step: Fn, nc: int) -> Fn:
     """``step(*carry, i, *extra, trips)``: a step past ``trips`` keeps the carry (Note [a
     batched trip count]), as a cond (Note [finished elements are not differentiated] in
-    ``_while_run``)."""
+    ``while_loops._run``)."""
 
     def masked(*a: Any) -> tuple[Any, ...]:
         def own_step(*b: Any) -> tuple[Any, ...]:
             return as_tuple(step(*b[:nc], *b[nc:-1]))
 
-        return _while_run.active_step(a[nc] < a[-1], own_step, a[:nc], a[nc:])
+        return _run.active_step(a[nc] < a[-1], own_step, a[:nc], a[nc:])
 
     masked.__qualname__ = step.__qualname__
     return masked
@@ -228,7 +228,7 @@ def _stacked(
     steps = torch.arange(n, device=_device(carried))
     out_diff = [g is not None for g in g_carry]
     wanted = [True] * len(carried) + [False] + [i in d_e for i in range(len(extra))]
-    g = _scan_derivatives.scan_vjp(
+    g = _derivatives.scan_vjp(
         scan_op, step, carried, [steps], extra, False, g_carry, out_diff, named=("while_loop", "body_fn"), wanted=wanted
     )
     nc = len(carried)
@@ -247,8 +247,6 @@ def _segments(
     """Gradients of ``(*carried, *extra)`` through ``n_t`` steps, keeping the carry before
     every segment of about sqrt(n) steps and replaying one segment at a time (Note
     [reverse mode of a traced loop])."""
-    from hop.ops.scan import scan_op
-
     nc, ne = len(carried), len(extra)
     seg_t = torch.sqrt(n_t.double()).ceil().long().clamp(min=1)
     count = _size((n_t + seg_t - 1) // seg_t)
@@ -304,7 +302,7 @@ def _segment_vjp(step: Fn, nc: int, d_c: list[int], d_e: list[int]) -> Fn:
         g_full = _transforms.place([None] * nc, d_c, g)
         out_diff = [x is not None for x in g_full]
         wanted = [True] * nc + [False] + [i in d_e for i in range(len(extra))]
-        pulled = _scan_derivatives.scan_vjp(
+        pulled = _derivatives.scan_vjp(
             scan_op,
             step,
             start_carry,

@@ -1,7 +1,7 @@
 """``hop.cond`` and its raw op ``torch.ops.hop.cond``.
 
 Rules are cond's registrations of the shared branching rules (cond is a
-two-branch switch, see ``_branching_rules``), in hop's fixed order: dense, autograd,
+two-branch switch, see ``branching._rules``), in hop's fixed order: dense, autograd,
 grad / jvp, vmap, functionalize, fake, proxy.
 
 Compiled: Dynamo ``hop.compile._dynamo_branching.CondVariable``; Inductor ``hop.compile.inductor._lower_cond``
@@ -26,10 +26,10 @@ from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop._transforms import in_plain_eager, is_dynamo_compiling
 from hop.errors import HopTypeError, HopValueError, format_message
-from hop.ops import _branching, _inline
-from hop.ops import _branching_eager as fast
-from hop.ops import _branching_rules as rules
 from hop.ops._common import NOT_TAKEN, front, refuse_legacy_onnx
+from hop.ops.branching import _call_cache, _record
+from hop.ops.branching import _eager as fast
+from hop.ops.branching import _rules as rules
 
 __all__ = ["cond", "cond_op"]
 
@@ -42,7 +42,7 @@ _INT_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, to
 _VERDICTS = validation._VERDICTS
 _SINKS = _observe.SINKS
 _tracing_state = torch._C._get_tracing_state
-_fast = _inline.cond
+_fast = _call_cache.cond
 
 
 def cond(
@@ -90,12 +90,12 @@ def cond(
         for role, fn in (("true_fn", true_fn), ("false_fn", false_fn)):
             if not callable(fn):
                 raise HopTypeError(format_message("cond", f"{role} must be callable, got {type(fn).__name__}"))
-        _branching.check_operands("cond", operands)
+        _record.check_operands("cond", operands)
         return true_fn(*operands) if pred else false_fn(*operands)
     k = -1  # the branch pred gives, once read (read once: a user mode sees one read, as in Python)
     if (
         type(pred) is _Tensor and type(operands) is tuple and in_plain_eager()  # Note [plain eager]
-    ):  # see _branching_eager
+    ):  # see branching._eager
         try:
             k = 0 if pred else 1  # a number's truth, as a Python if; meta or several elements raise
         except (RuntimeError, NotImplementedError):
@@ -113,7 +113,7 @@ def cond(
     check_pred(pred)
     if isinstance(pred, torch.Tensor) and pred.dtype is not _BOOL:
         pred = pred != 0  # a number's truth, as a Python if (the graph then holds a bool pred)
-    return _branching.call(COND, pred, (true_fn, false_fn), operands, taken=k if k >= 0 else None)
+    return _record.call(COND, pred, (true_fn, false_fn), operands, taken=k if k >= 0 else None)
 
 
 def _is_numpy_bool(pred: Any) -> bool:
@@ -193,7 +193,7 @@ SPEC = _spec.register(
     )
 )
 
-COND = _branching.Branching(
+COND = _record.Branching(
     name="cond",
     op=cond_op,
     call=_call,

@@ -3,11 +3,11 @@
 :func:`run_eager` is the public function's loop in plain eager, for a validated
 signature: the user's functions on their pytrees, as is. :func:`run` is the dense
 rule's loop on flat carries at the current level (Note [loops run inline] in
-``hop.ops.while_loop``), masked where an enclosing vmap batches the condition:
+``hop.ops.while_loops.while_loop``), masked where an enclosing vmap batches the condition:
 it runs while any element is active and freezes finished elements with
 ``torch.where``. :func:`run_graphs` is a traced loop outside every transform (an
 exported program running), whose steps are the graphs' code alone
-(Note [running a traced body per step] in ``_graph_step``).
+(Note [running a traced body per step] in ``_lean_body``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 from hop import _observe, _transforms
 from hop import subgraph as _subgraph
 from hop.errors import HopValueError, format_message
-from hop.ops import _graph_step
-from hop.ops._branching import as_tuple
-from hop.ops._common import refuse_legacy_onnx, reverse_tracked, select
-from hop.ops._while_checks import NAME, truth
+from hop.ops import _lean_body
+from hop.ops._common import as_tuple, refuse_legacy_onnx, reverse_tracked, select
+from hop.ops.branching.cond import cond_op
+from hop.ops.while_loops._checks import NAME, truth
 
 Fn = Callable[..., Any]
 _TRIPS = "how many times the body runs depends on cond_fn's result, a tensor"
@@ -63,7 +63,7 @@ def run(cond_fn: Fn, body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any
     """Note [loops run inline]: the Python loop at the current level, masked where the
     condition is batched by an enclosing vmap."""
     carry = tuple(carry)
-    if isinstance(body_fn, torch.fx.GraphModule):  # Note [traced bodies see contiguous values] (_looping)
+    if isinstance(body_fn, torch.fx.GraphModule):  # Note [traced bodies see contiguous values] (scanning._rules)
         if isinstance(cond_fn, torch.fx.GraphModule) and _transforms.functorch_level() is None:
             return run_graphs(cond_fn, body_fn, carry, additional)
         carry = _contiguous(carry)
@@ -98,14 +98,14 @@ def run_graphs(
     """A traced loop outside every transform (an exported program running): the
     condition was checked when traced and no vmap batches it, so a step is the two
     graphs' code and nothing else (a reverse-mode backward runs three such loops)."""
-    counted = _graph_step.counted_loop(cond_fn, body_fn, len(carry))  # Note [running a traced body per step]
+    counted = _lean_body.counted_loop(cond_fn, body_fn, len(carry))  # Note [running a traced body per step]
     if counted is not None:
-        out = _graph_step.run_counted(counted, carry, additional)
+        out = _lean_body.run_counted(counted, carry, additional)
         if out is not None:
             return out
     # traced subgraphs have no module hooks to run
-    cond = _graph_step.step_function(cond_fn) or cond_fn.forward
-    body = _graph_step.step_function(body_fn, contiguous=True)
+    cond = _lean_body.step_function(cond_fn) or cond_fn.forward
+    body = _lean_body.step_function(body_fn, contiguous=True)
     values = _contiguous(carry)
     if body is None:
         while cond(*values, *additional):
@@ -144,7 +144,7 @@ def _any_batch_element(pred: torch.Tensor) -> bool:
 # cotangents) per element, so a step an element did not take contributes nothing.
 # Where nothing is differentiated, that cond is the same torch.where. The eager
 # masked loop, the traced one (``while_loop_vmap``) and the reverse of a loop with a
-# batched trip count (``_loop_reverse``) all step so.
+# batched trip count (``while_loops._reverse``) all step so.
 
 
 def _differentiated(body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any]) -> bool:
@@ -172,7 +172,6 @@ def checked_step(body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any]) -
 def active_step(active: Any, body_fn: Fn, carry: Sequence[Any], additional: Sequence[Any]) -> tuple[Any, ...]:
     """``body_fn(*carry, *additional)`` where ``active`` holds, ``carry`` elsewhere, as a
     cond (Note [finished elements are not differentiated]); an int carry must not change."""
-    from hop.ops.cond import cond_op
 
     carry = tuple(carry)
     n = len(carry)

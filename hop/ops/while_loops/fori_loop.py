@@ -21,7 +21,7 @@ from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops._common import NOT_TAKEN, front
-from hop.ops.while_loop import while_loop, while_loop_op
+from hop.ops.while_loops.while_loop import while_loop, while_loop_op
 
 __all__ = ["fori_loop"]
 

@@ -2,9 +2,9 @@
 
 cond is a two-branch switch: ``cond(pred, t, f)`` takes branch 0 when ``pred``
 holds. A :class:`Branching` says how a selector picks a branch and how the raw op
-is called; the rules (``_branching_rules``) are written once against it and
+is called; the rules (``branching._rules``) are written once against it and
 registered on both raw ops by ``cond.py`` and ``switch.py``, and the eager fast
-paths of a validated call live in ``_branching_eager``.
+paths of a validated call live in ``branching._eager``.
 
 Note [eager branches run inline]
 When the selector is concrete (a Python value, or a real tensor under every
@@ -15,7 +15,7 @@ of every order and covers tensors the branch closes over. Only a selector that
 cannot be read (SymBool/SymInt, fake, functional, batched) keeps the operator as
 one node, with the rule that builds its derivative or batched version as new
 branches. What the untaken branches read still gets a zero gradient: Note
-[untaken branches get zero gradients] in ``_zero_grads``.
+[untaken branches get zero gradients] in ``branching._untaken_grads``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from hop.errors import (
     not_a_sequence,
     type_name,
 )
-from hop.ops._zero_grads import zero_untaken
+from hop.ops._common import as_tuple
+from hop.ops.branching._untaken_grads import zero_untaken
 
 Fn = Callable[..., Any]
 
@@ -60,27 +61,6 @@ class Branching:
 
 
 BY_NAME: dict[str, Branching] = {}
-
-
-# --- flat outputs ------------------------------------------------------------------------
-
-
-def as_tuple(out: Any) -> tuple[Any, ...]:
-    return out if isinstance(out, tuple) else (out,)
-
-
-def same_form(out: Any, flat: Sequence[Any]) -> Any:
-    """``flat`` in the raw op's output convention: a bare value for one leaf, else a tuple."""
-    return tuple(flat) if isinstance(out, tuple) else flat[0]
-
-
-def no_alias(out: Any, operands: Sequence[Any]) -> Any:
-    """``out`` with every leaf that shares memory with an operand cloned."""
-    flat = as_tuple(out)
-    suspect = any(_effects.may_alias(o, operands) for o in flat) or len(flat) > 1
-    if not suspect:
-        return out
-    return same_form(out, _effects.clone_aliases(flat, operands))
 
 
 class _Outputs:

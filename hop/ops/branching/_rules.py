@@ -2,8 +2,8 @@
 
 dense, autograd, grad / jvp, vmap, fake and proxy, in hop's fixed order
 (functionalize is every operator's one rule, ``hop._effects.functionalize_rule``),
-written once against a :class:`~hop.ops._branching.Branching`; a concrete selector
-runs the chosen branch inline (Note [eager branches run inline] in ``_branching``).
+written once against a :class:`~hop.ops.branching._record.Branching`; a concrete selector
+runs the chosen branch inline (Note [eager branches run inline] in ``branching._record``).
 """
 
 from __future__ import annotations
@@ -18,21 +18,24 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hop import _closures, _effects, _lifting, _observe, _output_checks, _pytree, _tracing, _transforms
 from hop._unbacked import Unifier, dense_order, unrecorded_symbols
 from hop.errors import HopValueError, format_message
-from hop.ops._branching import Branching, Fn, as_tuple, no_alias, same_form
 from hop.ops._common import (
     Vmapped,
     Writes,
+    as_tuple,
     differentiable,
     lower_vmap,
+    no_alias,
     record_node,
     refuse_legacy_onnx,
     reverse_tracked,
+    same_form,
     save_operands,
     saved_operands,
     select,
     trace_callables,
 )
-from hop.ops._zero_grads import only_vmap_levels, zero_untaken
+from hop.ops.branching._record import Branching, Fn
+from hop.ops.branching._untaken_grads import only_vmap_levels, zero_untaken
 
 _SINKS = _observe.SINKS
 _grad_enabled = torch.is_grad_enabled
@@ -235,7 +238,7 @@ def vmap(branching: Branching, interpreter: Any, sel: Any, branches: Sequence[Fn
     level = interpreter.level()
     (sel_u,), (sel_dim,) = _transforms.unwrap_batched([sel], level)
     if sel_dim is not None:
-        # Note [finished elements are not differentiated] (hop.ops._while_run): the
+        # Note [finished elements are not differentiated] (hop.ops.while_loops._run): the
         # node selects each element's gradient from its own branch
         if reverse_tracked([*operands, *_closures.closure_tensors(branches)]):
             return _as_node(branching, sel, branches, operands, batched_at=level)
