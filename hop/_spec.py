@@ -19,6 +19,9 @@ __all__ = ["Layout", "OpSpec", "register", "role_of", "spec_of", "specs"]
 Describe = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
 
 
+_FREE = object()  # a node argument the layout does not name (a constant: scan's reverse)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where a node of the operator holds what: positions in ``node.args``.
@@ -42,6 +45,35 @@ class Layout:
             return self.subgraphs
         return (*self.subgraphs[:-1], *range(self.subgraphs[-1], len(args)))
 
+    def arrange(
+        self,
+        size: int,
+        *,
+        selector: Any = None,
+        subgraphs: Sequence[Any] = (),
+        carries: Any = None,
+        xs: Any = None,
+        inputs: Any = None,
+        rest: Sequence[Any] = (),
+    ) -> tuple[Any, ...]:
+        """A node's ``size`` fixed arguments (a variadic run of subgraphs after them), each
+        part at its position; the positions the layout does not name take ``rest``, in order."""
+        slots: list[Any] = [_FREE] * size
+        fixed = self.subgraphs[:-1] if self.variadic else self.subgraphs
+        for position, graph in zip(fixed, subgraphs, strict=False):
+            slots[position] = graph
+        for named, part in (
+            (self.selector, selector),
+            (self.carries, carries),
+            (self.xs, xs),
+            (self.inputs, inputs),
+        ):
+            if named is not None:
+                slots[named] = part
+        others = iter(rest)
+        arranged = tuple(next(others) if slot is _FREE else slot for slot in slots)
+        return (*arranged, *subgraphs[len(fixed) :]) if self.variadic else arranged
+
     def leading(self, args: Sequence[Any]) -> int:
         """How many placeholders of a subgraph come before the ``inputs``."""
         return sum(len(args[p]) for p in (self.carries, self.xs) if p is not None)
@@ -52,6 +84,9 @@ class OpSpec:
     """One operator, as the framework sees it."""
 
     name: str  # torch.ops.hop.<name>, and the name in messages and observation records
+    # the raw op's parameters in node order (a variadic run of subgraphs last, one name):
+    # the names of its tuple arguments in messages
+    params: tuple[str, ...] = ()
     roles: tuple[str, ...] = ()  # the subgraphs' role names, in layout order
     role_pattern: str | None = None  # the role of the k-th subgraph of a variadic run: "branches[{k}]"
     layout: Layout | None = None  # None: a public function with no node of its own
@@ -66,6 +101,20 @@ class OpSpec:
         if k < len(self.roles):
             return self.roles[k]
         return self.role_pattern.format(k=k) if self.role_pattern is not None else None
+
+    def tuple_args(self) -> dict[int, str]:
+        """The positions of the node arguments that are tuples (carries, xs, inputs), by name."""
+        layout = self.layout
+        if layout is None:
+            return {}
+        return {p: self.params[p] for p in (layout.carries, layout.xs, layout.inputs) if p is not None}
+
+    def node_args(self, **parts: Any) -> tuple[Any, ...]:
+        """A node's arguments from its parts by role in the layout (``selector``,
+        ``subgraphs``, ``carries``, ``xs``, ``inputs``) and the rest in order (``rest``)."""
+        assert self.layout is not None, f"{self.name} has no node of its own"
+        size = len(self.params) - (1 if self.layout.variadic else 0)
+        return self.layout.arrange(size, **parts)
 
     def role_names(self, n: int) -> tuple[str, ...]:
         """The role names of ``n`` subgraphs."""

@@ -102,3 +102,27 @@ def test_the_reference_runs_each_operator_as_python() -> None:
         with hop.testing.reference():
             want = call()
         torch.testing.assert_close(call(), want, msg=name)
+
+
+@pytest.mark.parametrize("name", OPERATORS)
+def test_the_raw_op_is_declared_by_its_spec(name: str) -> None:
+    """The spec is the one declaration of a node's parameters: the raw op's tuple
+    arguments (their names in messages) and every node's arguments are placed by it."""
+    spec = _spec.spec_of(name)
+    assert spec is not None and spec.layout is not None
+    op = _operator.registered_ops()[name]
+    assert dict(op._tuple_args) == spec.tuple_args()
+    assert spec.role_names(len(spec.roles)) == spec.roles or spec.role_pattern is not None
+    layout = spec.layout
+    graphs = ("g0", "g1", "g2")[: len(spec.roles) or 3]
+    args = spec.node_args(selector="sel", subgraphs=graphs, carries="init", xs="xs", inputs="ins", rest=("const",))
+    assert [args[p] for p in layout.subgraph_positions(args)] == list(graphs)
+    for position, part in (
+        (layout.selector, "sel"),
+        (layout.carries, "init"),
+        (layout.xs, "xs"),
+        (layout.inputs, "ins"),
+    ):
+        assert position is None or args[position] == part
+    fixed = len(spec.params) - (1 if layout.variadic else 0)
+    assert len(args) == fixed + (len(graphs) - len(layout.subgraphs) + 1 if layout.variadic else 0)

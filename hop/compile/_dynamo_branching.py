@@ -78,11 +78,8 @@ class _BranchingVariable(HopVariable):
         lifted = share_lifted(subs, inputs)
         graphs = tuple(install(tx, f"hop_{name}_branch{k}", s.graph) for k, s in enumerate(subs))
         args = (*inputs, *lifted)
-        out = emit(tx, self.value, self.node_args(sel.as_proxy(), graphs, args))
+        out = emit(tx, self.value, self.branching.node_args(sel.as_proxy(), graphs, args))
         return unflatten(tx, output_items(out)[:n], subs[0].spec)
-
-    def node_args(self, sel: Any, graphs: tuple[Any, ...], operands: tuple[Any, ...]) -> tuple[Any, ...]:
-        raise NotImplementedError
 
 
 def _check_call(name: str, roles: Sequence[str], fns: Sequence[Any], operands: VT) -> None:
@@ -126,9 +123,6 @@ class CondVariable(_BranchingVariable):
             pred = method(tx, pred, "__ne__", 0)  # a number's truth, as hop.cond does
         return self.capture(tx, pred, [true_fn, false_fn], operands)
 
-    def node_args(self, sel: Any, graphs: tuple[Any, ...], operands: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (sel, graphs[0], graphs[1], operands)
-
 
 class SwitchVariable(_BranchingVariable):
     _HOP_NAME = "hop.switch"
@@ -159,9 +153,6 @@ class SwitchVariable(_BranchingVariable):
             k = switch_module._index(value, len(branches))
             return branches[k].call_function(tx, items(tx, operands), {})
         return self.capture(tx, index, branches, operands)
-
-    def node_args(self, sel: Any, graphs: tuple[Any, ...], operands: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (sel, operands, *graphs)
 
 
 HANDLERS: dict[Any, type[HopVariable]] = {

@@ -111,7 +111,10 @@ class ScanVariable(HopVariable):
     def emit(self, tx: Any, body: Subgraph, init: list[VT], xs: list[VT], extra: list[VT], reverse: bool) -> list[VT]:
         lifted = share_lifted([body])
         graph = install(tx, "hop_scan_body", body.graph)
-        args = (graph, tuple(proxies(init)), tuple(proxies(xs)), (*proxies(extra), *lifted), reverse)
+        inputs = (*proxies(extra), *lifted)
+        args = scan_module.SPEC.node_args(
+            subgraphs=(graph,), carries=tuple(proxies(init)), xs=tuple(proxies(xs)), inputs=inputs, rest=(reverse,)
+        )
         return output_items(emit(tx, self.value, args))
 
 
@@ -174,7 +177,8 @@ class MapVariable(HopVariable):
     def emit(self, tx: Any, body: Subgraph, xs: list[VT], extra: list[VT]) -> list[VT]:
         lifted = share_lifted([body])
         graph = install(tx, "hop_map_body", body.graph)
-        return output_items(emit(tx, self.value, (graph, tuple(proxies(xs)), (*proxies(extra), *lifted))))
+        args = map_module.SPEC.node_args(subgraphs=(graph,), xs=tuple(proxies(xs)), inputs=(*proxies(extra), *lifted))
+        return output_items(emit(tx, self.value, args))
 
 
 # --- associative_scan ------------------------------------------------------------------------
@@ -220,7 +224,10 @@ class AssociativeScanVariable(HopVariable):
     def emit(self, tx: Any, body: Subgraph, xs: list[VT], extra: list[VT], mode: str) -> list[VT]:
         lifted = share_lifted([body])
         graph = install(tx, "hop_associative_scan_combine", body.graph)
-        return output_items(emit(tx, self.value, (graph, tuple(proxies(xs)), (*proxies(extra), *lifted), mode)))
+        inputs = (*proxies(extra), *lifted)
+        spec = associative_scan_module.SPEC
+        args = spec.node_args(subgraphs=(graph,), xs=tuple(proxies(xs)), inputs=inputs, rest=(mode,))
+        return output_items(emit(tx, self.value, args))
 
 
 HANDLERS: dict[Any, type[HopVariable]] = {

@@ -192,7 +192,8 @@ class WhileLoopVariable(HopVariable):
             _int_carries.refuse_batched(values, closed, "while_loop" if fns[0] is not None else "fori_loop")
         graphs = (install(tx, "hop_while_loop_cond", cond.graph), install(tx, "hop_while_loop_body", body.graph))
         inits = tuple(leaf.as_proxy() for leaf in leaves)
-        out = emit(tx, self.value, (*graphs, inits, (*proxies(additional), *lifted)))
+        args = while_module.SPEC.node_args(subgraphs=graphs, carries=inits, inputs=(*proxies(additional), *lifted))
+        out = emit(tx, self.value, args)
         return output_items(out)
 
     def trace_cond(self, tx: Any, cond_fn: VT, generic: list[VT], spec: Spec, additional: list[VT]) -> Subgraph:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hop import _effects, _observe, _output_checks, _pytree, _transforms, config
+from hop import _effects, _observe, _output_checks, _pytree, _spec, _transforms, config
 from hop import _validation as validation
 from hop._operator import HigherOrderOperator
 from hop.errors import (
@@ -53,11 +53,16 @@ class Branching:
     index: Callable[[Any, int], int]  # concrete selector -> branch index (checked)
     masks: Callable[[Any, int], list[Any]]  # tensor selector -> one bool mask per branch
     roles: Callable[[int], tuple[str, ...]]
-    node_args: Callable[[Any, Sequence[Any], tuple[Any, ...]], tuple[Any, ...]]  # (selector, graphs, operands)
     selector: str = "index"  # the selector's parameter name, for messages
 
     def __post_init__(self) -> None:
         BY_NAME[self.name] = self
+
+    def node_args(self, selector: Any, graphs: Sequence[Any], operands: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A node's arguments, placed by the operator's spec."""
+        spec = _spec.spec_of(self.name)
+        assert spec is not None, self.name
+        return spec.node_args(selector=selector, subgraphs=graphs, inputs=operands)
 
 
 BY_NAME: dict[str, Branching] = {}

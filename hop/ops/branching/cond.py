@@ -155,9 +155,6 @@ def check_pred(pred: Any) -> None:
         )
 
 
-cond_op = HigherOrderOperator("cond", cacheable=True, tuple_args={3: "operands"})
-
-
 def _index(pred: Any, n: int) -> int:
     if type(pred) is not _Tensor or pred.dtype is not _BOOL or pred.numel() != 1:
         if _is_numpy_bool(pred):
@@ -184,6 +181,7 @@ def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, An
 SPEC = _spec.register(
     _spec.OpSpec(
         name="cond",
+        params=("pred", "true_fn", "false_fn", "operands"),
         roles=("true_fn", "false_fn"),
         layout=_spec.Layout(subgraphs=(1, 2), selector=0, inputs=3),  # cond(pred, true_gm, false_gm, operands)
         validates=True,
@@ -193,6 +191,8 @@ SPEC = _spec.register(
     )
 )
 
+cond_op = HigherOrderOperator(SPEC.name, cacheable=True, tuple_args=SPEC.tuple_args())
+
 COND = _record.Branching(
     name="cond",
     op=cond_op,
@@ -200,7 +200,6 @@ COND = _record.Branching(
     index=_index,
     masks=_masks,
     roles=SPEC.role_names,
-    node_args=lambda pred, graphs, operands: (pred, graphs[0], graphs[1], operands),
     selector="pred",
 )
 

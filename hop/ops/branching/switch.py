@@ -157,27 +157,6 @@ def check_index(index: Any) -> None:
         )
 
 
-class SwitchOp(HigherOrderOperator):
-    """``torch.ops.hop.switch(index, operands, *branches)``.
-
-    Branches are separate positional arguments so that each is a get_attr
-    argument of the node (torch.export cannot serialize a list of subgraphs).
-    ``switch_op(index, branches, operands)``, the user-level order, is accepted too.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("switch", cacheable=True, tuple_args={1: "operands"})
-
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 3 and isinstance(args[1], (list, tuple)) and args[1] and all(map(callable, args[1])):
-            index, branches, operands = args
-            args = (index, operands, *branches)
-        return super().__call__(*args, **kwargs)
-
-
-switch_op = SwitchOp()
-
-
 def _index(index: Any, n: int) -> int:
     check_index(index)
     i = int(index)
@@ -260,6 +239,7 @@ def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, An
 SPEC = _spec.register(
     _spec.OpSpec(
         name="switch",
+        params=("index", "operands", "branches"),
         role_pattern="branches[{k}]",
         # switch(index, operands, *branch_gms): the branches last, as many as there are
         layout=_spec.Layout(subgraphs=(2,), variadic=True, selector=0, inputs=1),
@@ -270,6 +250,27 @@ SPEC = _spec.register(
     )
 )
 
+
+class SwitchOp(HigherOrderOperator):
+    """``torch.ops.hop.switch(index, operands, *branches)``.
+
+    Branches are separate positional arguments so that each is a get_attr
+    argument of the node (torch.export cannot serialize a list of subgraphs).
+    ``switch_op(index, branches, operands)``, the user-level order, is accepted too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(SPEC.name, cacheable=True, tuple_args=SPEC.tuple_args())
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 3 and isinstance(args[1], (list, tuple)) and args[1] and all(map(callable, args[1])):
+            index, branches, operands = args
+            args = (index, operands, *branches)
+        return super().__call__(*args, **kwargs)
+
+
+switch_op = SwitchOp()
+
 SWITCH = _record.Branching(
     name="switch",
     op=switch_op,
@@ -277,7 +278,6 @@ SWITCH = _record.Branching(
     index=_index,
     masks=_masks,
     roles=SPEC.role_names,
-    node_args=lambda index, graphs, operands: (index, operands, *graphs),
 )
 
 

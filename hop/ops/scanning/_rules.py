@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hop import _closures, _lifting, _tracing, _transforms
+from hop import _closures, _lifting, _spec, _tracing, _transforms
 from hop._operator import HigherOrderOperator
 from hop._unbacked_loops import per_step_sizes, rebind_sizes, run_in_subgraph
 from hop.errors import (
@@ -67,10 +67,18 @@ class Looping:
     name: str
     op: HigherOrderOperator
     role: str  # the callable's parameter name: "combine_fn" or "f"
-    # the raw op from (body, init, xs, additional, reverse), and its node's arguments
+    # the raw op from (body, init, xs, additional, reverse)
     call: Callable[[Fn, Sequence[Any], Sequence[Any], Sequence[Any], bool], Any]
-    node_args: Callable[[Any, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], bool], tuple[Any, ...]]
     scan: HigherOrderOperator  # the raw scan its reverse mode runs (map's too: its derivative is a scan)
+
+    def node_args(
+        self, gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: tuple[Any, ...], reverse: bool
+    ) -> tuple[Any, ...]:
+        """A node's arguments, placed by the operator's spec (map has no carry, no reverse)."""
+        spec = _spec.spec_of(self.name)
+        assert spec is not None and spec.layout is not None, self.name
+        assert init == () or spec.layout.carries is not None, f"{self.name} has no carry"
+        return spec.node_args(subgraphs=(gm,), carries=init, xs=xs, inputs=additional, rest=(reverse,))
 
 
 def runs_inline(n: Any, *groups: Sequence[Any]) -> bool:

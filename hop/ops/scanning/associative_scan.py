@@ -171,11 +171,6 @@ def _flat_body(combine_fn: Fn, spec: Any, xs: Any, combine_mode: str) -> Fn:
     return body
 
 
-associative_scan_op = HigherOrderOperator(
-    "associative_scan", cacheable=True, tuple_args={1: "xs", 2: "additional_inputs"}
-)
-
-
 def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     frame.length = _observe_calls.static_length(args[1], args[2])
 
@@ -183,6 +178,7 @@ def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, An
 SPEC = _spec.register(
     _spec.OpSpec(
         name=_NAME,
+        params=("combine_fn", "xs", "additional_inputs", "combine_mode"),
         roles=("combine_fn",),
         # associative_scan(combine_gm, xs, additional, mode): combine(lhs slices, rhs slices,
         # additional) is no step of a loop (no body): the passes leave the node alone
@@ -190,6 +186,8 @@ SPEC = _spec.register(
         describe=_describe,
     )
 )
+
+associative_scan_op = HigherOrderOperator(SPEC.name, cacheable=True, tuple_args=SPEC.tuple_args())
 
 
 def _prefix_scan(combine: Fn, elems: Sequence[torch.Tensor], additional: Sequence[Any], n: int) -> list[torch.Tensor]:

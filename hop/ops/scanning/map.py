@@ -109,9 +109,6 @@ def _flat_body(f: Fn, xs_spec: Any, args_spec: Any, arg_leaves: list[Any]) -> tu
     return body, y_spec, [a for a, c in zip(arg_leaves, const, strict=True) if not c]
 
 
-map_op = HigherOrderOperator("map", cacheable=True, tuple_args={1: "xs", 2: "additional_inputs"})
-
-
 def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     frame.length = frame.trips = _observe_calls.static_length(args[1], 0)
 
@@ -119,6 +116,7 @@ def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, An
 SPEC = _spec.register(
     _spec.OpSpec(
         name="map",
+        params=("f", "xs", "additional_inputs"),
         roles=("f",),
         layout=_spec.Layout(
             subgraphs=(0,), xs=1, inputs=2, body=0
@@ -127,17 +125,15 @@ SPEC = _spec.register(
     )
 )
 
+map_op = HigherOrderOperator(SPEC.name, cacheable=True, tuple_args=SPEC.tuple_args())
+
 
 def _call(body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool) -> Any:
     assert not init, "map has no carry"
     return map_op(body, tuple(xs), tuple(additional))
 
 
-def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: tuple[Any, ...], r: bool) -> Any:
-    return (gm, xs, additional)
-
-
-MAP = _rules.Looping(name="map", op=map_op, role="f", call=_call, node_args=_node_args, scan=scan_op)
+MAP = _rules.Looping(name="map", op=map_op, role="f", call=_call, scan=scan_op)
 
 
 @map_op.py_impl(DispatchKey.CompositeExplicitAutograd)

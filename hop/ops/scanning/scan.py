@@ -205,9 +205,6 @@ def _flat_body(combine_fn: Fn, init_spec: Any, xs_spec: Any, dim: int) -> tuple[
     return body, y_spec
 
 
-scan_op = HigherOrderOperator("scan", cacheable=True, tuple_args={1: "init", 2: "xs", 3: "additional_inputs"})
-
-
 def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     frame.length = frame.trips = _observe_calls.static_length(args[2], kwargs.get("dim", 0))
 
@@ -215,6 +212,7 @@ def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, An
 SPEC = _spec.register(
     _spec.OpSpec(
         name="scan",
+        params=("combine_fn", "init", "xs", "additional_inputs", "reverse"),
         roles=("combine_fn",),
         # scan(body, init, xs, additional, reverse): body(carries, slices, additional)
         layout=_spec.Layout(subgraphs=(0,), carries=1, xs=2, inputs=3, body=0),
@@ -222,16 +220,14 @@ SPEC = _spec.register(
     )
 )
 
+scan_op = HigherOrderOperator(SPEC.name, cacheable=True, tuple_args=SPEC.tuple_args())
+
 
 def _call(body: Fn, init: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], reverse: bool) -> Any:
     return scan_op(body, tuple(init), tuple(xs), tuple(additional), reverse)
 
 
-def _node_args(gm: Any, init: tuple[Any, ...], xs: tuple[Any, ...], additional: tuple[Any, ...], r: bool) -> Any:
-    return (gm, init, xs, additional, r)
-
-
-SCAN = _rules.Looping(name="scan", op=scan_op, role="combine_fn", call=_call, node_args=_node_args, scan=scan_op)
+SCAN = _rules.Looping(name="scan", op=scan_op, role="combine_fn", call=_call, scan=scan_op)
 
 
 @scan_op.py_impl(DispatchKey.CompositeExplicitAutograd)

@@ -147,10 +147,6 @@ def _inline_or_node(
 
 # --- the raw op and its rules -----------------------------------------------------------------
 
-while_loop_op = HigherOrderOperator(
-    "while_loop", cacheable=True, tuple_args={2: "carried_inputs", 3: "additional_inputs"}
-)
-
 
 def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if kwargs.get("checkpoint"):
@@ -160,6 +156,7 @@ def _describe(frame: _observe.Frame, args: tuple[Any, ...], kwargs: dict[str, An
 SPEC = _spec.register(
     _spec.OpSpec(
         name=_NAME,
+        params=("cond_fn", "body_fn", "carried_inputs", "additional_inputs"),
         roles=("cond_fn", "body_fn"),
         # while_loop(cond_gm, body_gm, carries, additional): both read carries then additional
         layout=_spec.Layout(subgraphs=(0, 1), carries=2, inputs=3, body=1, condition=0),
@@ -167,6 +164,8 @@ SPEC = _spec.register(
         describe=_describe,
     )
 )
+
+while_loop_op = HigherOrderOperator(SPEC.name, cacheable=True, tuple_args=SPEC.tuple_args())
 
 
 @while_loop_op.py_impl(DispatchKey.CompositeExplicitAutograd)
