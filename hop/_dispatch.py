@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
-from hop import _observe, _records, _state
+from hop import _observe, _records, _state, _subclasses
 from hop._closures import closure_tensors
 from hop._export_refusals import refuse_grad_level, refuse_lost_tensors
 from hop._kernels import Derived, Kernel, Operator, all_not_implemented, find_kernel, lookup_rule, unsupported_mode
@@ -335,6 +335,10 @@ def _python(op: Operator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return _past_user_mode(op, args, kwargs, mode)
         else:  # a tracing mode other operators have a rule for
             raise unsupported_mode(op, mode)
+    desugared = _subclasses.user_subclasses(op, args)
+    if desugared and not any(lookup_rule(op.python_key_table, c) for c in desugared):
+        _record(op, _K.Python, "subclass desugared", None, desugared[0].__qualname__)
+        return _subclasses.desugar(op, args, kwargs)
     seen: list[type] = []
     for t in tensors_in((args, kwargs)):
         cls = type(t)
