@@ -322,6 +322,15 @@ def torch_ops_without_rules(op: str, role: str) -> Iterator[None]:
 
     try:
         yield
+    except RuntimeError as e:
+        if "must override the setup_context staticmethod" not in str(e):
+            raise
+        what = (
+            f"{role} runs an autograd.Function that torch.func cannot differentiate (no setup_context: "
+            f"DTensor's redistribution is one), and hop differentiates a traced {role} with torch.func"
+        )
+        fix = "Differentiate it in eager, or compile the forward only (under torch.no_grad())."
+        raise HopRuntimeError(format_message(op, what, fix=fix), op=op, role=role) from e
     except KeyError as e:
         if not (e.args and isinstance(e.args[0], TransformType)):
             raise

@@ -2,7 +2,9 @@
 MLP in a cond branch, a while_loop body and a scan body, run by two gloo ranks on
 127.0.0.1, forward and backward, equal to the same model unsharded (Note [tensor
 subclasses run as Python] in hop.ops._common: a DTensor operand runs the operator as
-the plain Python program)."""
+the plain Python program); and the cond and while_loop models' forward under
+torch.compile (Note [subclass operands desugared] in hop._subclasses), whose training
+is refused by name."""
 
 from __future__ import annotations
 
@@ -78,6 +80,9 @@ class DTensorOperands(WithMlp):
 
 
 MODELS = {"cond": InCond, "while_loop": InWhile, "scan": InScan, "dtensor_operands": DTensorOperands}
+# the sharded model under torch.compile(fullgraph=True), aot_eager: its nodes over DTensor
+# parameters run on their local shards (Note [subclass operands desugared] in hop._subclasses)
+COMPILED = ("cond", "while_loop")
 
 
 def _inputs(name: str, sign: float) -> torch.Tensor:
@@ -95,38 +100,57 @@ def _sharded(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     return parallelize_module(model, mesh, plan)
 
 
-def _run(name: str, rank: int) -> dict[str, Any]:
+def _run(case: str, rank: int) -> dict[str, Any]:
     """The sharded and the unsharded model on inputs taking each branch: outputs and
     parameter gradients (the sharded ones gathered)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    name, compiled = case.removesuffix(" compiled"), case.endswith(" compiled")
     mesh = init_device_mesh("cpu", (WORLD,))
     torch.manual_seed(0)
     plain = MODELS[name]()
     twin = MODELS[name]()
     twin.load_state_dict(plain.state_dict())
     sharded = _sharded(twin, mesh)
+    if compiled:
+        sharded = torch.compile(sharded, backend="aot_eager", fullgraph=True)
     out: dict[str, Any] = {}
     for sign in (1.0, -1.0):
         for label, model in (("plain", plain), ("sharded", sharded)):
+            if compiled:  # the forward: DTensor's autograd.Functions have no torch.func rule
+                with torch.no_grad():
+                    out[f"{label}{sign}"] = (model(_inputs(name, sign)), [])
+                continue
             model.zero_grad(set_to_none=True)
             y = model(_inputs(name, sign))
             y.pow(2).sum().backward()
             grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
             out[f"{label}{sign}"] = (y.detach(), [g if g is None else g.detach().clone() for g in grads])
+    if compiled:
+        try:
+            sharded(_inputs(name, 1.0)).sum().backward()
+            out["training"] = "no error"
+        except Exception as e:
+            out["training"] = f"{type(e).__name__}: {e}"
     return out
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(_run, list(MODELS), world=WORLD, timeout_s=TIMEOUT_S, folder=tmp_path_factory.mktemp("tp"))
+    return run_ranks(_run, CASES, world=WORLD, timeout_s=TIMEOUT_S, folder=tmp_path_factory.mktemp("tp"))
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+CASES = [*MODELS, *(f"{name} compiled" for name in COMPILED)]
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_a_tensor_parallel_mlp_equals_the_unsharded_one(ranks: list[dict[str, Any]], name: str) -> None:
     for rank in ranks:
         result = rank[name]
         assert not isinstance(result, str), result
+        if name.endswith(" compiled"):  # training it is refused by name, never run wrongly
+            assert "hop.cond" in result["training"] or "hop.while_loop" in result["training"], result["training"]
+            assert "torch.func cannot differentiate" in result["training"], result["training"]
         for sign in (1.0, -1.0):
             y, grads = result[f"sharded{sign}"]
             want_y, want_grads = result[f"plain{sign}"]
