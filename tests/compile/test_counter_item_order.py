@@ -1,5 +1,5 @@
 """A loop's int counter, read with ``.item()`` in the body, is defined before every
-kernel that uses it (Note [a subgraph reads its inputs first] in hop.compile.inductor).
+kernel that uses it (Note [a subgraph reads its inputs first] in hop.compile._inductor_subgraphs).
 
 A kernel that writes at a position made from the counter (``index_copy`` at
 ``torch.full((1,), t)``) does not tell Inductor's scheduler that it uses the counter's

@@ -25,7 +25,7 @@ algorithm at its own level (autograd and torch.func differentiate the slices,
 calls and concatenations; vmap batches them), so only tracing keeps one node.
 
 Compiled: Dynamo ``hop.compile._dynamo_scans.AssociativeScanVariable``; Inductor
-``hop.compile._inductor_rewrites.rewrite_associative_scan``; ONNX
+``hop.compile._inductor_scans.rewrite_associative_scan``; ONNX
 ``hop.compile._onnx_ops.translate_associative_scan``.
 """
 

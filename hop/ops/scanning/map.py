@@ -6,7 +6,7 @@ the shared looping rules, in hop's fixed order: dense, autograd, grad / jvp,
 vmap, functionalize, fake, proxy; its derivatives are scans.
 
 Compiled: Dynamo ``hop.compile._dynamo_scans.MapVariable``; Inductor
-``hop.compile._inductor_rewrites.rewrite_map`` (a while loop); ONNX
+``hop.compile._inductor_scans.rewrite_map`` (a while loop); ONNX
 ``hop.compile._onnx_ops.translate_map``.
 """
 

@@ -6,7 +6,7 @@ looping rules, in hop's fixed order: dense, autograd, grad / jvp, vmap,
 functionalize, fake, proxy.
 
 Compiled: Dynamo ``hop.compile._dynamo_scans.ScanVariable``; Inductor
-``hop.compile._inductor_rewrites.rewrite_scan`` (a while loop); ONNX
+``hop.compile._inductor_scans.rewrite_scan`` (a while loop); ONNX
 ``hop.compile._onnx_ops.translate_scan``.
 """
 
