@@ -18,7 +18,9 @@ operator would:
 4. ``Functionalize``: C++ functionalization (the op's functionalize rule).
 5. ``Python``: the innermost TorchDispatchMode (rule by mode type; a mode with
    ``supports_higher_order_operators`` gets ``__torch_dispatch__``), then tensor
-   subclasses (a FakeTensor without an active mode uses its ``fake_mode``).
+   subclasses (a FakeTensor without an active mode uses its ``fake_mode``;
+   traceable wrapper subclasses with no rule of their own: the node runs on their
+   inner tensors, Note [subclass operands desugared] in ``hop._subclasses``).
 6. Backend keys (CPU, CUDA, Meta, ...): a per-backend kernel or the
    ``CompositeExplicitAutograd`` dense kernel.
 
