@@ -183,3 +183,17 @@ def test_dtensor_operands_carries_and_predicates_compile(mesh: Any, backend: str
     for got, want in zip(_compiled(f, backend)(x), f(x), strict=True):
         assert got.placements == want.placements
         torch.testing.assert_close(got.full_tensor(), want.full_tensor())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_flow_to_a_two_tensor_parameter(backend: str) -> None:
+    w = torch.nn.Parameter(_two(3, 3))
+
+    def f(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return hop.cond(p, lambda v: v @ w, lambda v: (v * 2) @ w, (x,))
+
+    x, compiled = _two(2, 3), _compiled(f, backend)
+    for p in (torch.tensor(True), torch.tensor(False)):
+        (got,) = torch.autograd.grad(compiled(p, x).sum(), w)
+        (want,) = torch.autograd.grad(f(p, x).sum(), w)
+        _close(got, want)
