@@ -2,8 +2,10 @@
 run eagerly, differentiated (reverse and forward mode), vmapped, exported with
 torch.export, saved, loaded and run again, with a short report.
 
-It grows as operators land: hop.cond and hop.switch in the model, then a loop
-until convergence (hop.while_loop) and a recurrence (hop.scan).
+hop.cond and hop.switch are in the model; then a loop until convergence
+(hop.while_loop), a counted loop (hop.fori_loop), a recurrence (hop.scan), a
+per-row map (hop.map), a running sum (hop.associative_scan), and outputs whose size
+depends on the data. This file is the demo's whole code.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def main() -> None:
     params = dict(model.named_parameters())
     tangent = {k: torch.ones_like(v) for k, v in params.items()}
     jvp_out = torch.func.jvp(lambda p: torch.func.functional_call(model, p, (x,)), (params,), (tangent,))[1]
-    report.append(("jvp", f"forward-mode tangent {tuple(jvp_out.shape)}"))
+    report.append(("jvp", f"forward-mode derivative along all-ones weights, one per row: {tuple(jvp_out.shape)}"))
 
     batch = torch.stack(inputs)
     per_example = torch.vmap(model)(batch)
@@ -123,7 +125,14 @@ def main() -> None:
     for x_t in seq:
         ref_h = cell(x_t, ref_h)
     torch.testing.assert_close(h, ref_h)
-    report.append(("loops", f"while_loop: Newton sqrt(2) = {root.item():.6f}; scan: GRU over {len(seq)} steps matches"))
+    decayed = hop.fori_loop(0, 10, lambda i, v: v * 0.5, torch.ones(2))
+    torch.testing.assert_close(decayed, torch.full((2,), 0.5**10))
+    norms = hop.map(lambda row: row.norm(), seq[:, 0])
+    torch.testing.assert_close(norms, seq[:, 0].norm(dim=-1))
+    running = hop.associative_scan(lambda a, b: a + b, seq[:, 0], 0)
+    torch.testing.assert_close(running, seq[:, 0].cumsum(0))
+    report.append(("loops", f"while_loop: Newton sqrt(2) = {root.item():.6f}; scan: a GRU over {len(seq)} steps"))
+    report.append(("", "fori_loop: 10 halvings; map: a norm per row; associative_scan: a running sum; all match"))
 
     # data-dependent sizes: each branch keeps a different number of values; exported,
     # the two outputs share one unbacked size (no Eq assert) and its range is asserted
@@ -145,14 +154,14 @@ def main() -> None:
     asserts = [str(n.args[1]) for n in kept.graph.nodes if n.target is torch.ops.aten._assert_scalar.default]
     for v in (torch.tensor([1.0, -2.0, 3.0]), torch.tensor([-1.0, -2.0, 3.0])):
         torch.testing.assert_close(kept.module()(v), Kept()(v))
-    report.append(("unbacked", f"1 shared size for 2 outputs, {len(asserts)} asserts: {asserts[-1]}"))
+    report.append(("unbacked", f"sizes known at run time only: 2 outputs share one, {len(asserts)} asserts check it"))
 
     p, small = torch.tensor(True), torch.randn(8)
     t_hop = _timed(lambda: hop.cond(p, torch.sin, torch.cos, (small,)))
     t_py = _timed(lambda: torch.sin(small) if p else torch.cos(small))
     report.append(("eager cost", f"hop.cond {t_hop:.1f} us vs Python if {t_py:.1f} us per call, no compile step"))
 
-    print("hop demo: data-dependent control flow (hop.cond, hop.switch, hop.while_loop, hop.scan)")
+    print("hop demo: control flow that depends on the data, with all seven operators (code: hop/_demo.py)")
     for step, result in report:
         print(f"  {step:<14} {result}")
     print("  operators at torch.ops.hop:", ", ".join(sorted(hop.registered_ops())))
