@@ -9,7 +9,7 @@ An upward import is one from a core module (a module directly in ``hop/``: the
 operator class, the dispatcher, pytrees, tracing, validation, observation, ...) into
 a layer above it: ``hop.ops``, ``hop.compile``, ``hop.deploy``, ``hop.passes``, ``hop.testing`` or
 ``hop.debug`` (the public observation API; the record type it shows lives below, in
-``hop._records``). The package ``hop`` itself, ``hop.__main__``, ``hop._demo`` and
+``hop._records``). The package ``hop`` itself, ``hop.__main__``, ``hop._demo``, ``hop._quick_check`` and
 ``hop.debug`` sit on top and are not core.
 
 Usage: ``python tools/check_layers.py`` (exit 1, printing each cycle with the line
@@ -70,7 +70,7 @@ def graph() -> dict[str, dict[str, int]]:
 
 
 # Modules directly in hop/ that sit on top of the stack rather than in its core.
-NOT_CORE = frozenset({"hop", "hop.__main__", "hop._demo", "hop.debug"})
+NOT_CORE = frozenset({"hop", "hop.__main__", "hop._demo", "hop._quick_check", "hop.debug"})
 # The layers above the core.
 UPPER = ("hop.ops", "hop.compile", "hop.deploy", "hop.passes", "hop.testing", "hop.debug")
 
