@@ -148,12 +148,27 @@ def _same_metas(a: Sequence[Meta], b: Sequence[Meta]) -> bool:
             return False
         if x is not None and y is not None:
             try:
-                same = x[0] is y[0] and x[1] == y[1] and bool(x[2] == y[2]) and _same_metas(x[3], y[3])
+                same = x[0] is y[0] and x[1] == y[1] and _same_context(x[2], y[2]) and _same_metas(x[3], y[3])
             except Exception:  # a context without a meaningful ==
                 same = x[0] is y[0] and x[1] == y[1]
             if not same:
                 return False
     return True
+
+
+def _same_context(a: Any, b: Any) -> bool:
+    """Whether two flatten contexts read the inner tensors alike: equal, or, for a
+    DTensor's spec, the same mesh, placements, global shape and dtype (its strides and
+    whether it requires grad say nothing of what the local tensor holds)."""
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        return all(_same_context(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "placements") and hasattr(a, "mesh") and hasattr(b, "placements") and hasattr(b, "mesh"):
+        meta_a, meta_b = getattr(a, "tensor_meta", None), getattr(b, "tensor_meta", None)
+        same_meta = meta_a is None or meta_b is None or (meta_a.shape, meta_a.dtype) == (meta_b.shape, meta_b.dtype)
+        return bool(a.mesh == b.mesh and tuple(a.placements) == tuple(b.placements) and same_meta)
+    if isinstance(a, bool) and isinstance(b, bool):
+        return True  # DTensor's requires_grad: autograd's business, not the layout's
+    return bool(a == b)
 
 
 def _flatten_all(values: Sequence[Any]) -> tuple[list[Any], list[Meta]]:
@@ -185,7 +200,14 @@ class _Kept:
         self.value = value
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Kept) and other.value is self.value
+        if not isinstance(other, _Kept):
+            return False
+        # a traced program holds a fake of the object (real_obj: the one it stands for)
+        a, b = getattr(self.value, "real_obj", self.value), getattr(other.value, "real_obj", other.value)
+        try:
+            return a is b or bool(a == b)
+        except Exception:  # an object without a meaningful ==
+            return False
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -175,12 +175,18 @@ def test_dtensor_operands_carries_and_predicates_compile(mesh: Any, backend: str
     x = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
     w = distribute_tensor(torch.randn(3, 3) * 0.5, mesh, [Replicate()])
 
-    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def f(x: torch.Tensor, xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = hop.cond(x.sum() > 0, lambda a: a @ w, lambda a: a * 2, (x,))  # a DTensor predicate: its full value
         _, z = hop.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a @ w), (torch.tensor(0), y))
-        return y, z
+        c, ys = hop.scan(lambda c, r: (c @ w + r.sum(), r * 2), z, xs)  # a DTensor carry, plain xs
+        m = hop.switch(torch.tensor(1), [lambda a: a, lambda a: a @ w], (c,))
+        return y, z, c, m, ys
 
-    for got, want in zip(_compiled(f, backend)(x), f(x), strict=True):
+    xs = torch.randn(5, 2)
+    for got, want in zip(_compiled(f, backend)(x, xs), f(x, xs), strict=True):
+        if isinstance(want, torch.Tensor) and type(want) is torch.Tensor:
+            torch.testing.assert_close(got, want)
+            continue
         assert got.placements == want.placements
         torch.testing.assert_close(got.full_tensor(), want.full_tensor())
 
