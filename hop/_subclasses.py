@@ -101,7 +101,7 @@ def desugar(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         new_args[layout.inputs] = tuple(input_leaves)
     out = op(*new_args, **kwargs)
     flat = list(out) if isinstance(out, (tuple, list)) else [out]
-    metas = _output_metas(name, spec, positions, outputs, carry_metas)
+    metas = _output_metas(name, spec, positions, outputs, carry_metas, len(flat) - len(carry_leaves) + len(carry_metas))
     if all(m is None for m in metas):
         return out
     rebuilt = _unflatten_all(metas, flat)
@@ -110,7 +110,12 @@ def desugar(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _output_metas(
-    name: str, spec: _spec.OpSpec, positions: Sequence[int], outputs: dict[int, list[Meta]], carries: list[Meta]
+    name: str,
+    spec: _spec.OpSpec,
+    positions: Sequence[int],
+    outputs: dict[int, list[Meta]],
+    carries: list[Meta],
+    count: int,
 ) -> list[Meta]:
     """The subclass of each node output, from what the callables returned."""
     layout = spec.layout
@@ -128,7 +133,9 @@ def _output_metas(
         if any(m is not None for metas in outputs.values() for m in metas):
             _refuse(name, f"{spec.role(0)} returning a tensor subclass")
         return [None] * len(next(iter(outputs.values()), []))
-    body = outputs.get(order[layout.body], [])
+    if order[layout.body] not in outputs:  # an eager loop of no step: the carries as they came
+        return [*carries, *[None] * (count - len(carries))]
+    body = outputs[order[layout.body]]
     if not _same_metas(body[: len(carries)], carries):
         _refuse(name, f"{spec.role(order[layout.body])} changing a carry's tensor subclass or its metadata")
     if any(m is not None for m in body[len(carries) :]):
@@ -148,27 +155,12 @@ def _same_metas(a: Sequence[Meta], b: Sequence[Meta]) -> bool:
             return False
         if x is not None and y is not None:
             try:
-                same = x[0] is y[0] and x[1] == y[1] and _same_context(x[2], y[2]) and _same_metas(x[3], y[3])
+                same = x[0] is y[0] and x[1] == y[1] and bool(x[2] == y[2]) and _same_metas(x[3], y[3])
             except Exception:  # a context without a meaningful ==
                 same = x[0] is y[0] and x[1] == y[1]
             if not same:
                 return False
     return True
-
-
-def _same_context(a: Any, b: Any) -> bool:
-    """Whether two flatten contexts read the inner tensors alike: equal, or, for a
-    DTensor's spec, the same mesh, placements, global shape and dtype (its strides and
-    whether it requires grad say nothing of what the local tensor holds)."""
-    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
-        return all(_same_context(x, y) for x, y in zip(a, b, strict=True))
-    if hasattr(a, "placements") and hasattr(a, "mesh") and hasattr(b, "placements") and hasattr(b, "mesh"):
-        meta_a, meta_b = getattr(a, "tensor_meta", None), getattr(b, "tensor_meta", None)
-        same_meta = meta_a is None or meta_b is None or (meta_a.shape, meta_a.dtype) == (meta_b.shape, meta_b.dtype)
-        return bool(a.mesh == b.mesh and tuple(a.placements) == tuple(b.placements) and same_meta)
-    if isinstance(a, bool) and isinstance(b, bool):
-        return True  # DTensor's requires_grad: autograd's business, not the layout's
-    return bool(a == b)
 
 
 def _flatten_all(values: Sequence[Any]) -> tuple[list[Any], list[Meta]]:

@@ -203,3 +203,14 @@ def test_gradients_flow_to_a_two_tensor_parameter(backend: str) -> None:
         (got,) = torch.autograd.grad(compiled(p, x).sum(), w)
         (want,) = torch.autograd.grad(f(p, x).sum(), w)
         _close(got, want)
+
+
+@pytest.mark.parametrize("trips", [0, 3])
+def test_a_raw_loop_over_a_two_tensor_carry_runs_any_number_of_steps(trips: int) -> None:
+    """The raw op called with real subclass values (as ``ep.module()`` does): a loop of no
+    step returns its carries, not a refusal for a body that never ran."""
+    from hop.ops.while_loops.while_loop import while_loop_op
+
+    x = TwoTensor(torch.ones(3), torch.ones(3) * 2)
+    out = while_loop_op(lambda i, a: i < trips, lambda i, a: (i + 1, a * 2), (torch.tensor(0), x), ())
+    _close(out[1], TwoTensor(x.a * 2**trips, x.b * 2**trips))
