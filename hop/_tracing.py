@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch._functorch.predispatch
 import torch.fx
+import torch.fx.node
 import torch.utils._pytree as py_pytree
 
 from hop import _observe, _state
@@ -24,6 +26,29 @@ from hop._transforms import is_plain_tensor
 from hop.errors import MutationError, format_message
 
 __all__ = ["emit", "keeping_node_meta", "per_element", "trace_example", "trace_subgraph", "unknown_value"]
+
+
+# Note [functorch's levels survive dead-code elimination]
+# A transform inside a callable, traced by torch.export's pre-dispatch trace, is
+# recorded as calls that enter and leave functorch's levels (``_vmap_increment_nesting``
+# ...), whose results nothing reads. fx's dead-code elimination keeps them in the top
+# graph (export passes its own purity test) but applies the default test to the
+# subgraphs it recurses into, and drops them there: the subgraph then adds a batch
+# dimension at a level that is never entered, and fails when it runs. They are side
+# effects on functorch's state, registered as such once, and given the ``val`` that
+# export's verifier asks of every node (None, as export gives them in the top graph).
+_LEVEL_CALLS = []
+for _name in (
+    "_vmap_increment_nesting",
+    "_vmap_decrement_nesting",
+    "_jvp_increment_nesting",
+    "_jvp_decrement_nesting",
+    "_enter_dual_level",
+    "_exit_dual_level",
+):
+    _fn = getattr(torch._functorch.predispatch, _name, None)
+    if _fn is not None:
+        _LEVEL_CALLS.append(torch.fx.node.has_side_effect(_fn))
 
 
 def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.GraphModule:
@@ -43,6 +68,9 @@ def trace_subgraph(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.Grap
         for node in gm.graph.find_nodes(op="placeholder"):
             if isinstance(node.meta.get("val"), torch.Generator):
                 node.meta["val"] = object_val(node.name, node.meta["val"])
+        for target in _LEVEL_CALLS:  # Note [functorch's levels survive dead-code elimination]
+            for node in gm.graph.find_nodes(op="call_function", target=target):
+                node.meta.setdefault("val", None)
         return gm
     from torch._guards import detect_fake_mode
 
@@ -60,11 +88,40 @@ def _as_user_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     buffer of the top graph (:func:`_buffer_writes_in_place`)."""
 
     def user(*args: Any) -> Any:
-        with _state.user_code(), _buffer_writes_in_place():
+        with _state.user_code(), _buffer_writes_in_place(), _one_pre_dispatch_mode():
             return fn(*args)
 
     user.__wrapped__ = fn  # type: ignore[attr-defined]
     return user
+
+
+@contextlib.contextmanager
+def _one_pre_dispatch_mode() -> Iterator[None]:
+    """Note [a subgraph's pre-dispatch mode]: under torch.export's pre-dispatch trace,
+    the sub-tracer of a subgraph pushes a torch-function mode of its own that records
+    what must survive pre-dispatch (grad mode, vmap's levels) in the subgraph; the
+    export's mode, still below it, would record the same calls in the outer graph, and
+    ``torch.vmap`` inside a callable fails torch's check that there is one such mode.
+    While the callable runs, the stack keeps only the innermost."""
+    from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode
+
+    stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    pre = [m for m in stack if isinstance(m, PreDispatchTorchFunctionMode)]
+    if len(pre) < 2:
+        yield
+        return
+    for _ in stack:
+        torch._C._pop_torch_function_stack()
+    kept = [m for m in stack if m is pre[-1] or not isinstance(m, PreDispatchTorchFunctionMode)]
+    for mode in kept:
+        torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+        for mode in stack:
+            torch._C._push_on_torch_function_stack(mode)
 
 
 @contextlib.contextmanager

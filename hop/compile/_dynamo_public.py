@@ -26,6 +26,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch._dynamo.guards import GuardBuilder, install_guard
 from torch._dynamo.source import AttrSource
 from torch._dynamo.variables import ConstantVariable
@@ -35,17 +36,50 @@ from torch._dynamo.variables.higher_order_ops import TorchHigherOrderOperatorVar
 
 from hop import _reference
 from hop._transforms import DYNAMO_CALL
-from hop.compile._dynamo_values import VT
+from hop.compile._dynamo_values import VT, example, flatten, without_none
 from hop.ops.branching.cond import cond, cond_op
 from hop.ops.branching.switch import switch, switch_op
 from hop.ops.scanning.associative_scan import associative_scan, associative_scan_op
 from hop.ops.scanning.map import map as hop_map
 from hop.ops.scanning.map import map_op
 from hop.ops.scanning.scan import scan, scan_op
+from hop.ops.while_loops import _unroll
 from hop.ops.while_loops.fori_loop import fori_loop
 from hop.ops.while_loops.while_loop import while_loop, while_loop_op
 
 __all__ = ["PublicFunctionVariable", "install", "public_functions"]
+
+
+# a call with one of these is a program of calls without (traced as the function's body)
+_LOOP_CONTROLS = frozenset(("length", "unroll", "batch_size"))
+
+
+_CHUNKING = ("unroll", "batch_size")
+
+
+def _dynamic_length(tx: Any, fn: Any, args: list[VT], kwargs: dict[str, VT]) -> bool:
+    """Whether a scan's or map's length is symbolic. The control code cannot tell under
+    Dynamo, where a symbolic size reads as an int (Note [a dynamic length runs one step
+    per iteration]): asked here, of the traced values."""
+    if fn is scan:
+        xs, dim = (args[2] if len(args) > 2 else kwargs.get("xs")), kwargs.get("dim")
+    elif fn is hop_map:
+        xs, dim = (args[1] if len(args) > 1 else kwargs.get("xs")), None
+    else:
+        return False
+    length = kwargs.get("length")
+    if length is not None and isinstance(example(length), torch.SymInt):
+        return True
+    leaves = [example(leaf) for leaf in without_none(flatten(tx, xs)[0])] if xs is not None else []
+    if not leaves or not isinstance(leaves[0], torch.Tensor):
+        return False
+    d = example(dim) if dim is not None else 0
+    return type(d) is int and -leaves[0].dim() <= d < leaves[0].dim() and isinstance(leaves[0].shape[d], torch.SymInt)
+
+
+def _symbolic_bounds(args: list[VT], kwargs: dict[str, VT]) -> bool:
+    bounds = [*args[:2], *(kwargs[k] for k in ("lower", "upper") if k in kwargs)]
+    return any(isinstance(example(b), torch.SymInt) for b in bounds)
 
 
 class PublicFunctionVariable(UserFunctionVariable):
@@ -57,7 +91,14 @@ class PublicFunctionVariable(UserFunctionVariable):
         self.op = op
 
     def call_function(self, tx: Any, args: list[VT], kwargs: dict[str, VT]) -> VT:
-        if _reference.ACTIVE:
+        if "unroll" in kwargs and self.fn is fori_loop and _symbolic_bounds(args, kwargs):
+            chunked = UserFunctionVariable(_unroll.chunked)  # type: ignore[arg-type]  # a plain function
+            rest = {k: v for k, v in kwargs.items() if k != "unroll"}
+            return chunked.call_function(tx, [self, *args], {**rest, "unroll": kwargs["unroll"]})
+        if not _LOOP_CONTROLS.isdisjoint(kwargs) and _dynamic_length(tx, self.fn, args, kwargs):
+            kwargs = {k: v for k, v in kwargs.items() if k not in _CHUNKING or example(v) is True}
+        # Note [loop controls are programs of the operators]: a call with one is traced through
+        if _reference.ACTIVE or not _LOOP_CONTROLS.isdisjoint(kwargs):
             called: VT = super().call_function(tx, args, kwargs)
             return called
         install_guard(AttrSource(tx.import_source(_reference.__name__), "ACTIVE").make_guard(GuardBuilder.EQUALS_MATCH))

@@ -181,7 +181,9 @@ def _tensor_outputs(fn: Fn, name: str, node: torch.fx.Node, inputs: Sequence[Any
 # ("output stride is not a simple accumulative multiplication of sizes"). A dense
 # output is given the plain spelling: each such size is replaced by an input's size
 # the shape environment knows it equals, and an output spelled otherwise is copied
-# into a contiguous buffer of those sizes.
+# into a contiguous buffer of those sizes. So is an empty output, whose strides torch
+# may have left free (a symbol for the stride of a dimension of size 0), which torch's
+# check cannot prove dense.
 
 
 def _as_traced(name: str, value: torch.Tensor, meta: Any, inputs: Sequence[Any]) -> torch.Tensor:
@@ -206,7 +208,9 @@ def _as_traced(name: str, value: torch.Tensor, meta: Any, inputs: Sequence[Any])
         for size in reversed(sizes):
             strides.insert(0, expected)
             expected = expected * size
-        dense = all(
+        # an empty output has no element a stride could misplace: any strides are dense
+        empty = any(statically_known_true(d == 0) for d in meta.shape)
+        dense = empty or all(
             statically_known_true(d == 1) or statically_known_true(st == want)
             for d, st, want in zip(meta.shape, meta.stride(), strides, strict=True)
         )

@@ -14,6 +14,7 @@ import hop
 from hop.compile._torch_api import VERSION
 from hop.errors import CompileUnsupported
 from hop.testing import check
+from hop.testing.strategies import with_layout
 
 
 def _scans(xs: torch.Tensor) -> Any:
@@ -333,6 +334,19 @@ def test_a_rewritten_branch_output_whose_size_is_spelled_otherwise() -> None:
     # last size is traced as (s**2)//s, and torch's cond (which hop's switch is rewritten
     # to) failed to merge the branches' strides ("not a simple accumulative multiplication")
     check(_switch_of_a_reversal, torch.randn(4, 2, 2), torch.randn(4, 2, 2), transforms=("eager", "compile_inductor"))
+
+
+def _switch_returning_its_operand(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return hop.switch(((x.sum().abs() * 3).long() % 2), [lambda a: a, lambda a: a], (x,))
+
+
+def test_an_empty_branch_output_with_a_free_stride() -> None:
+    # found by the compiled fuzzer's long profile: an empty operand of an odd layout,
+    # returned by both branches, has under dynamic shapes a stride torch left a free
+    # symbol (the stride of its dimension of size 0), and torch's cond refused it as
+    # not dense ("not a simple accumulative multiplication of sizes")
+    x = with_layout(torch.empty(0, 4, 4), "channels_last")
+    check(_switch_returning_its_operand, x, x, transforms=("eager", "compile_inductor"))
 
 
 def _last_dim_scan(s: torch.Tensor, reverse: bool) -> torch.Tensor:

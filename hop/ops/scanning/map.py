@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hop import _effects, _observe, _observe_calls, _pytree, _reference, _spec
 from hop._operator import HigherOrderOperator
 from hop.ops._common import NOT_TAKEN, as_tuple, front
-from hop.ops.scanning import _checks, _rules, _values
+from hop.ops.scanning import _checks, _controls, _rules, _values
 from hop.ops.scanning.scan import scan_op
 
 __all__ = ["map", "map_op"]
@@ -33,7 +33,7 @@ Fn = Callable[..., Any]
 _SINKS = _observe.SINKS
 
 
-def map(f: Fn, xs: Any, *args: Any) -> Any:
+def map(f: Fn, xs: Any, *args: Any, batch_size: int | None = None) -> Any:
     """Stack ``f(x, *args)`` over dim 0 of every leaf of ``xs``.
 
     Equivalent Python::
@@ -48,6 +48,9 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
             dtypes and shapes for every slice.
         xs: a pytree of tensors, all of the same length along dim 0.
         args: pytrees of tensors and ints, passed unchanged to every call.
+        batch_size: map ``torch.vmap(f)`` over chunks of ``batch_size`` slices, and
+            once more over the slices left (``jax.lax.map``'s ``batch_size``): fewer,
+            larger steps for an ``f`` that vmaps.
 
     A map over a dimension of length 0 returns empty tensors (their shapes found
     by running ``f`` once on fake tensors). Transforms as ``hop.scan``: eager runs
@@ -55,6 +58,8 @@ def map(f: Fn, xs: Any, *args: Any) -> Any:
     ``map`` inside ``vmap``) differentiate and batch it; make_fx and torch.export
     keep one ``torch.ops.hop.map`` node.
     """
+    if batch_size is not None:
+        return _controls.map_batched(map, f, xs, args, batch_size)
     taken = front("map", map, map_op, _reference.reference_map, (f, xs, *args))
     if taken is not NOT_TAKEN:  # Note [a public function's front]
         return taken

@@ -26,7 +26,7 @@ from hop import _effects, _observe, _observe_calls, _output_checks, _pytree, _re
 from hop._operator import HigherOrderOperator
 from hop.errors import HopTypeError, format_message, type_name
 from hop.ops._common import NOT_TAKEN, as_tuple, front
-from hop.ops.scanning import _checks, _rules, _values
+from hop.ops.scanning import _checks, _controls, _rules, _values
 
 __all__ = ["scan", "scan_op"]
 
@@ -35,7 +35,16 @@ _SINKS = _observe.SINKS
 _PAIR = (tuple, list)
 
 
-def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = False) -> tuple[Any, Any]:
+def scan(
+    combine_fn: Fn,
+    init: Any,
+    xs: Any,
+    *,
+    dim: int = 0,
+    reverse: bool = False,
+    length: int | torch.SymInt | None = None,
+    unroll: int | bool = 1,
+) -> tuple[Any, Any]:
     """Scan ``combine_fn`` over slices of ``xs`` along ``dim``, threading a carry.
 
     Equivalent Python::
@@ -59,6 +68,13 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
             (negative values count from the end of each tensor).
         reverse: scan from the last slice to the first; ``ys[i]`` still comes from
             ``xs[i]``.
+        length: the number of steps when ``xs`` is ``None`` (or an empty pytree):
+            ``combine_fn(carry, xs)`` runs ``length`` times, as ``jax.lax.scan``'s
+            ``length``; with xs it must equal their length.
+        unroll: steps per iteration of the loop a traced or compiled program runs
+            (``True``: the whole loop, no loop node; a dynamic length is then
+            specialized, as a Python ``for`` over ``range(n)`` would be). Values and
+            gradients do not change.
 
     Returns:
         ``(final_carry, ys)``. A scan over a dimension of length 0 returns ``init``
@@ -73,6 +89,10 @@ def scan(combine_fn: Fn, init: Any, xs: Any, *, dim: int = 0, reverse: bool = Fa
     node (the scanned length may be dynamic), differentiated by scans of the
     vjp / jvp of ``combine_fn``.
     """
+    if length is not None or type(unroll) is not int or unroll != 1:  # True is a control too
+        return _controls.scan_controlled(
+            scan, combine_fn, init, xs, dim=dim, reverse=reverse, length=length, unroll=unroll
+        )
     taken: tuple[Any, Any] = front(
         "scan", scan, scan_op, _reference.reference_scan, (combine_fn, init, xs), dim=dim, reverse=reverse
     )

@@ -21,6 +21,7 @@ from hop import _validation as validation
 from hop import subgraph as _subgraph
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops._common import NOT_TAKEN, front
+from hop.ops.while_loops import _unroll
 from hop.ops.while_loops.while_loop import while_loop, while_loop_op
 
 __all__ = ["fori_loop"]
@@ -38,6 +39,8 @@ def fori_loop(
     upper: int | torch.SymInt | torch.Tensor,
     body_fn: Callable[[Any, Any], Any],
     init_val: Any,
+    *,
+    unroll: int | bool = 1,
 ) -> Any:
     """``for i in range(lower, upper): val = body_fn(i, val)``; returns ``val``.
 
@@ -55,7 +58,12 @@ def fori_loop(
         body_fn: ``(i, val) -> val`` keeping the structure, dtype, device and rank
             of ``val``'s leaves.
         init_val: a pytree of tensors and ints.
+        unroll: iterations of ``body_fn`` per iteration of the loop a traced or
+            compiled program runs (``True``: the whole loop, no loop node; int bounds
+            only). Values and gradients do not change.
     """
+    if type(unroll) is not int or unroll != 1:  # True is a control too
+        return _unroll.fori_unrolled(fori_loop, lower, upper, body_fn, init_val, unroll)
     taken = front(_NAME, fori_loop, while_loop_op, _reference.reference_fori_loop, (lower, upper, body_fn, init_val))
     if taken is not NOT_TAKEN:  # Note [a public function's front]
         return taken
