@@ -111,3 +111,30 @@ def test_a_batched_range_check_fails_for_any_element() -> None:
     torch.testing.assert_close(torch.vmap(torch.vmap(check))(torch.ones(2, 3)), torch.full((2, 3), 2.0))
     with pytest.raises(RuntimeError, match="out of range"):
         torch.vmap(check)(torch.tensor([0.0, 1.0, 2.0]))
+
+
+class VmapInside(torch.nn.Module):
+    """``torch.vmap`` inside a branch, and inside a map's function that is itself inside
+    a vmap of the top graph."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        a = hop.cond(x.sum() > 0, lambda t: torch.vmap(torch.sin)(t), lambda t: t.cos(), (x,))
+        b = hop.map(lambda row: torch.vmap(lambda e: e * row.sum())(row), x)
+        return a, b, torch.vmap(lambda r: hop.map(lambda e: torch.vmap(torch.exp)(e), r))(x[None])
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_vmap_inside_a_callable_exports(strict: bool) -> None:
+    # the subgraphs lost functorch's level calls to fx's dead-code elimination (torch's
+    # recursion into subgraphs tests purity by its default, which does not know them):
+    # "Either your tensor may have escaped from inside a function being vmapped"; and a
+    # map's function traced under the pre-dispatch mode of export failed torch's check
+    # that there is only one ("Expected only one PreDispatchTorchFunctionMode, found 2")
+    x = torch.randn(4, 3)
+    ep = torch.export.export(VmapInside(), (x,), strict=strict)
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    for program in (ep, torch.export.load(buffer), ep.run_decompositions()):
+        for value in (x, -x):
+            torch.testing.assert_close(program.module()(value), VmapInside()(value))
