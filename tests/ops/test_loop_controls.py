@@ -264,3 +264,31 @@ def test_misused_controls_name_the_operator(call: Callable[[], Any], error: type
     with pytest.raises(error, match=words) as caught:
         call()
     assert str(caught.value).startswith("hop.")
+
+
+def _scan_program(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return hop.scan(lambda c, xi: (torch.tanh(c * 0.9 + xi), c * xi), x[0] * 0, x, unroll=3, reverse=True)
+
+
+def _length_program(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return hop.scan(lambda c, _: (c * 0.5 + y, c.sum()), x[0], None, length=4, unroll=3)
+
+
+def _map_program(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return hop.map(lambda r, w: hop.cond(r.sum() > 0, lambda a: a * w, lambda a: a.sin(), (r,)), x, y, batch_size=2)
+
+
+def _fori_program(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return hop.fori_loop(0, 5, lambda i, v: v * 0.9 + y * i, x[0], unroll=2)
+
+
+CONTROLLED = [_scan_program, _length_program, _map_program, _fori_program]
+
+
+@pytest.mark.parametrize("program", CONTROLLED, ids=lambda p: p.__name__.strip("_"))
+def test_controls_pass_every_transform_check(program: Callable[..., Any]) -> None:
+    # hop.testing's default transforms: autograd, gradcheck, jvp, vmap and their
+    # compositions, fake tensors, make_fx, export; against the reference semantics
+    # (hop.testing.reference(), under which a control changes nothing)
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    hop.testing.check(program, x, y)

@@ -38,11 +38,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hop import _output_checks, _pytree, _transforms
+from hop import _output_checks, _pytree, _reference, _transforms
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops.scanning import _checks, _values
 
-__all__ = ["check_unroll", "map_batched", "scan_controlled", "unaliased"]
+__all__ = ["check_unroll", "in_reference", "map_batched", "scan_controlled", "unaliased"]
 
 Fn = Callable[..., Any]
 
@@ -54,6 +54,12 @@ class _Names(NamedTuple):
 
 _SCAN = _Names("scan", "combine_fn")
 _MAP = _Names("map", "f")
+
+
+def in_reference() -> bool:
+    """Under ``hop.testing.reference()`` a control changes nothing: the operators are
+    their plain Python meaning (a ``cond`` an ``if``, which ``torch.vmap`` cannot batch)."""
+    return bool(_reference.ACTIVE) and _reference.here()
 
 
 def check_unroll(name: str, unroll: Any) -> int | None:
@@ -94,7 +100,7 @@ def scan_controlled(
     _checks.check_callable("scan", "combine_fn", combine_fn)
     if not _transforms.is_dynamo_compiling():  # its cache is no program for Dynamo to trace
         _output_checks.check_arity("scan", "combine_fn", combine_fn, 2, "(carry, x)")
-    steps = check_unroll("scan", unroll)
+    steps = 1 if in_reference() else check_unroll("scan", unroll)
     if length is not None:
         _check_count("scan", "length", length, 0)
     xs_leaves = _pytree.flatten_dropping_none(xs)[0]
@@ -234,6 +240,8 @@ def map_batched(public: Fn, f: Fn, xs: Any, args: tuple[Any, ...], batch_size: A
     operators])."""
     _checks.check_callable("map", "f", f)
     _check_count("map", "batch_size", batch_size, 1)
+    if in_reference():
+        return public(f, xs, *args)
     leaves = _pytree.flatten_dropping_none(xs)[0]
     _, n = _checks.check_xs("map", xs, leaves, 0)
     if batch_size == 1 or type(n) is not int or n == 0:  # Note [a dynamic length runs one step per iteration]

@@ -19,7 +19,7 @@ import torch
 from hop import _output_checks, _transforms
 from hop import subgraph as _subgraph
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
-from hop.ops.scanning._controls import check_unroll, unaliased
+from hop.ops.scanning._controls import check_unroll, in_reference, unaliased
 
 __all__ = ["chunked", "fori_unrolled"]
 
@@ -30,6 +30,8 @@ Fn = Callable[..., Any]
 def fori_unrolled(public: Fn, lower: Any, upper: Any, body_fn: Fn, init_val: Any, unroll: Any) -> Any:
     """``public`` (hop.fori_loop) with ``unroll``."""
     steps = check_unroll(_NAME, unroll)
+    if in_reference():
+        return public(lower, upper, body_fn, init_val)
     static = type(lower) is int and type(upper) is int
     if steps == 1 or (static and not _transforms.is_dynamo_compiling() and _transforms.in_plain_eager()):
         return public(lower, upper, body_fn, init_val)
