@@ -262,7 +262,10 @@ def as_scan(
         return [d.clone() for d in c[: len(dummy)]] + list(out[:n]), list(out[n:])
 
     final, ys = torch_scan(step, dummy + _dense(init), list(xs), reverse=reverse)
-    return (*final[len(dummy) :], *ys)
+    # Note [a scan's stacked outputs copied]: ExecuTorch 1.5.1 refuses a view of a scan's
+    # ys ("Guard shape_dynamism_eq_base failed": the view is planned static, its base not);
+    # a copy is an ordinary tensor to view
+    return (*final[len(dummy) :], *(y.clone() for y in ys))
 
 
 def as_map(body_fn: Fn, xs: Sequence[Any], additional: Sequence[Any], single: bool) -> Any:

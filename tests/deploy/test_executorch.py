@@ -303,3 +303,30 @@ def test_two_conds_read_after_both_ran(loop: bool) -> None:
     cases = [(torch.tensor(0.0, dtype=torch.float64), torch.tensor(0.25, dtype=torch.float64), x)]
     cases.append((cases[0][0], cases[0][1], -x))
     deploy_and_check(TwoConds(loop), cases, max_steps=50)
+
+
+class ViewedYs(torch.nn.Module):
+    """A scan's ys read through a view (flattened), and each of JAX's loop controls,
+    which chunk a loop and flatten the chunks' ys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        _, ys = hop.scan(lambda c, r: (c + r, (c * r)[None].expand(2, 3)), x[0] * 0, x)
+        step = lambda c, r: (torch.tanh(c * self.w + r), c * r)  # noqa: E731
+        _, unrolled = hop.scan(step, x[0] * 0, x, unroll=3)
+        _, back = hop.scan(step, x[0] * 0, x, unroll=3, reverse=True)
+        counted = hop.fori_loop(0, 5, lambda i, v: v * 0.9 + self.w * i, x[0], unroll=2)
+        branch = lambda r: hop.cond(r.sum() > 0, lambda a: a * self.w, lambda a: a.sin(), (r,))  # noqa: E731
+        batched = hop.map(branch, x, batch_size=2)
+        _, ticks = hop.scan(lambda c, _: (c * self.w + 1, c.sum()), x[0], None, length=4, unroll=3)
+        return ys.flatten(0, 1), unrolled, back, counted, batched, ticks
+
+
+def test_views_of_a_scans_ys_and_the_loop_controls() -> None:
+    # ExecuTorch 1.5.1 refused a view of a scan's ys ("Guard shape_dynamism_eq_base
+    # failed"), which every chunked loop control makes (Note [a scan's stacked outputs copied])
+    with torch.no_grad():
+        deploy_and_check(ViewedYs(), [(torch.randn(5, 3),), (torch.randn(5, 3) - 1,)])
