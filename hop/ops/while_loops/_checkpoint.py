@@ -29,12 +29,11 @@ from torch.autograd.graph import get_gradient_edge
 
 from hop.errors import HopRuntimeError, HopTypeError, format_message, type_name
 from hop.ops._common import differentiable
+from hop.ops.while_loops._checks import NAME as _NAME
 
 Fn = Callable[..., Any]
 
 __all__ = ["run", "checkpoints", "check_flag"]
-
-_NAME = "while_loop"
 
 
 def check_flag(checkpoint: Any) -> None:

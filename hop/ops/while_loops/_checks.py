@@ -22,7 +22,7 @@ from hop._output_checks import check_arity
 from hop.errors import HopTypeError, format_message, not_a_sequence, type_name
 
 Fn = Callable[..., Any]
-NAME = "while_loop"
+NAME = "while_loop"  # the family's one raw op: its spec (while_loop.SPEC) takes this name
 
 
 def check_arities(cond_fn: Any, body_fn: Any, carried_inputs: Sequence[Any]) -> None:

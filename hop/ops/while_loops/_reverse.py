@@ -48,6 +48,7 @@ from hop.ops._common import as_tuple, differentiable
 from hop.ops.scanning import _derivatives
 from hop.ops.scanning.scan import scan_op
 from hop.ops.while_loops import _run
+from hop.ops.while_loops._checks import NAME
 
 __all__ = ["count_trips", "gradients"]
 
@@ -128,13 +129,13 @@ def _untracked(trips: _Tensor) -> bool:
 def _export_backward_error() -> HopRuntimeError:
     return HopRuntimeError(
         format_message(
-            "while_loop",
+            NAME,
             "reverse mode through a loop cannot be traced by torch.export (torch.autograd.grad inside the "
             "exported function: the backward's steps are torch.func.vjp's, which export's tracer cannot record)",
             fix="Trace the training step with make_fx(step, tracing_mode='symbolic') and export that GraphModule, "
             "or export the forward only and differentiate ep.module().",
         ),
-        op="while_loop",
+        op=NAME,
     )
 
 
@@ -229,7 +230,7 @@ def _stacked(
     out_diff = [g is not None for g in g_carry]
     wanted = [True] * len(carried) + [False] + [i in d_e for i in range(len(extra))]
     g = _derivatives.scan_vjp(
-        scan_op, step, carried, [steps], extra, False, g_carry, out_diff, named=("while_loop", "body_fn"), wanted=wanted
+        scan_op, step, carried, [steps], extra, False, g_carry, out_diff, named=(NAME, "body_fn"), wanted=wanted
     )
     nc = len(carried)
     return [*g[:nc], *g[nc + 1 :]]
@@ -311,7 +312,7 @@ def _segment_vjp(step: Fn, nc: int, d_c: list[int], d_e: list[int]) -> Fn:
             False,
             g_full,
             out_diff,
-            named=("while_loop", "body_fn"),
+            named=(NAME, "body_fn"),
             wanted=wanted,
         )
         g_extra = pulled[nc + 1 :]
@@ -356,7 +357,7 @@ def _recompute(
             return tuple(out[i] for i in d_carry)
 
         primals = (*[before[i] for i in d_carry], *[ext[i] for i in d_extra])
-        with _transforms.torch_ops_without_rules("while_loop", "body_fn"):
+        with _transforms.torch_ops_without_rules(NAME, "body_fn"):
             pulled = torch.func.vjp(one_step, *primals)[1](tuple(gs[:m]))
         return (k - 1, *pulled[:m], *[a + b for a, b in zip(gs[m:], pulled[m:], strict=True)])
 

@@ -22,6 +22,7 @@ from hop import subgraph as _subgraph
 from hop.errors import HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops._common import NOT_TAKEN, front
 from hop.ops.while_loops import _unroll
+from hop.ops.while_loops._checks import NAME as WHILE_LOOP
 from hop.ops.while_loops.while_loop import while_loop, while_loop_op
 
 __all__ = ["fori_loop"]
@@ -31,7 +32,7 @@ _SINKS = _observe.SINKS
 
 # A public function with no operator of its own: a call that does not run inline
 # makes a while_loop call (and node), observed as while_loop's record before this one.
-SPEC = _spec.register(_spec.OpSpec(name=_NAME, over="while_loop", validates=True))
+SPEC = _spec.register(_spec.OpSpec(name=_NAME, over=WHILE_LOOP, validates=True))
 
 
 def fori_loop(
@@ -98,7 +99,7 @@ def fori_loop(
     try:
         _, val = while_loop(lambda i, v: i < upper, _counted_body(body_fn), (lower, init_val))
     except OutputMismatchError as e:
-        if type(lower) is int and e.op == "while_loop" and e.path == "carry[0]":
+        if type(lower) is int and e.op == WHILE_LOOP and e.path == "carry[0]":
             _counter_needs_symbols(e)
         raise
     return val
