@@ -315,6 +315,20 @@ def test_compiled_transforms_skip_what_the_compiled_path_refuses_by_design() -> 
     assert "CompileUnsupported" in report.skipped["compile_inductor"]
 
 
+_SHIFT = torch.tensor(-0.25)
+
+
+def test_export_vmap_skips_what_a_plain_program_fails_too() -> None:
+    # found by the compiled fuzzer's long profile: strict export of torch.vmap(fn), where fn
+    # reads a module-level tensor outside any operator, fails in torch (Dynamo copies the
+    # tensor with requires_grad_ under the transform), with or without hop
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return hop.cond(x.sum() > 0, lambda a: a * 2, lambda a: a - 1, (torch.tanh(x + _SHIFT),))
+
+    report = check(shifted, torch.randn(3), transforms=("eager", "export_vmap"))
+    assert "a plain program neither" in report.skipped["export_vmap"]
+
+
 def test_bundle_runs_many_programs_as_one() -> None:
     x, y = torch.randn(3), torch.randn(2, 2)
     fn, args = hop.testing.bundle([(lambda a: a.sin(), (x,)), (lambda a, b: a + b, (y, y))])

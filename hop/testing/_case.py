@@ -167,6 +167,18 @@ LIMITATIONS.append(  # a tensor read from outside the function, under strict exp
     )
 )
 
+# a module-level tensor read inside torch.vmap: Dynamo's copy of it calls requires_grad_
+# under the transform, in a plain program too (found by the compiled fuzzer's long profile)
+LIMITATIONS += [
+    (
+        name,
+        RuntimeError,
+        r"^You are attempting to call Tensor.requires_grad_\(\)",
+        "torch's strict export of a vmap cannot read a tensor from outside the function (a plain program neither)",
+    )
+    for name in ("export_vmap", "export_compositions")
+]
+
 # torch's Inductor cannot compile vmap of a 0-dim tensor plus a SymFloat (``a + 0.1 * k``
 # with ``k`` read by ``.item()``: a fori_loop's int counter), in a plain program either
 # (tests/compile/test_compiled_compositions.py keeps watch on it)
