@@ -230,16 +230,28 @@ def test_exported_controls_keep_a_dynamic_length(strict: bool) -> None:
             torch.testing.assert_close(program.module()(INIT, xs), want)
 
 
+class _Ticks(torch.nn.Module):
+    def forward(self, init: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        return hop.scan(lambda c, _: (c + 1, c * 2), init, None, length=xs.shape[0], unroll=2)[1]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_dynamic_length_without_xs_down_to_one(strict: bool) -> None:
+    n = torch.export.Dim("n", min=1, max=64)
+    ep = torch.export.export(_Ticks(), (INIT, XS), dynamic_shapes=({}, {0: n}), strict=strict)
+    for length in (1, 5, 9):
+        want = torch.stack([(INIT + i) * 2 for i in range(length)])
+        torch.testing.assert_close(ep.module()(INIT, XS[:1].expand(length, 3)), want)
+
+
 def test_unroll_true_specializes_a_dynamic_length() -> None:
+    # the whole loop as Python, as range(n) would: torch's export says the length became a constant
     n = torch.export.Dim("n", min=2, max=64)
-    with pytest.raises(Exception, match="n"):  # torch's constraint violation: the length became a constant
-        torch.export.export(torch.nn.Module.__new__(_WholeScan), (INIT, XS), dynamic_shapes=({}, {0: n}))
+    with pytest.raises(Exception, match=r"Constraints violated \(n\)"):
+        torch.export.export(_WholeScan(), (INIT, XS), dynamic_shapes=({}, {0: n}))
 
 
 class _WholeScan(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-
     def forward(self, init: torch.Tensor, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return scan_of(True)(init, xs)
 

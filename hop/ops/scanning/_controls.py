@@ -170,6 +170,8 @@ def _scan_dim0(
 ) -> tuple[Any, Any]:
     """The scan of ``fn`` over dim 0 of ``xs`` (its tensors ``leaves``), ``steps``
     slices per iteration (``None``: all)."""
+    if steps == 1:
+        return public(fn, init, xs, reverse=reverse)  # type: ignore[no-any-return]
     n = leaves[0].shape[0]
     if steps is None or (type(n) is int and steps >= n):
         if type(n) is int and n == 0:
