@@ -64,7 +64,8 @@ def jax_rows(c: torch.Tensor, xs: torch.Tensor, want: Any) -> list[tuple[str, fl
         args = (jnp.asarray(c.numpy()), jnp.asarray(xs.numpy()))
         got = run(*args)
         torch.testing.assert_close(torch.from_numpy(jax.device_get(got[1]).copy()), want[1], rtol=1e-5, atol=1e-5)
-        rows.append((f"jax.lax.scan, jit, unroll={unroll}", per_call(lambda: jax.block_until_ready(run(*args)))))
+        timed = lambda run=run, args=args: jax.block_until_ready(run(*args))  # noqa: E731
+        rows.append((f"jax.lax.scan, jit, unroll={unroll}", per_call(timed)))
     return rows
 
 
@@ -114,7 +115,8 @@ def main() -> None:
     rows.append(("python for (unrolled), inductor", per_call(unrolled, c, xs)))
     rows += jax_rows(c, xs, want)
     report(f"us per call: a scan of {L} tiny steps (carry of {D})", rows, "hop scan, inductor, unroll=1")
-    report(f"us per step: {STEPS} steps writing one row of {ROW} in place", fori_rows(), "hop fori_loop in place, unroll=1")
+    title = f"us per step: {STEPS} steps writing one row of {ROW} in place"
+    report(title, fori_rows(), "hop fori_loop in place, unroll=1")
 
 
 if __name__ == "__main__":
