@@ -4,7 +4,7 @@
 Note [loop controls are programs of the operators]
 A control changes how a loop runs, never what it computes, so each is a program of
 hop's own operators and torch ops, and inherits every mode they have (transforms,
-tracing, export, compile, ONNX, AOTInductor) with no rule of its own:
+tracing, export, compile, AOTInductor, ONNX, ExecuTorch) with no rule of its own:
 
 - ``scan(f, init, None, length=n)`` scans over ``n`` ticks, a zero-width tensor
   ``(n, 0)``, and calls ``f(carry, None)`` (``f(carry, xs)`` with the empty ``xs``
@@ -53,7 +53,6 @@ class _Names(NamedTuple):
 
 
 _SCAN = _Names("scan", "combine_fn")
-_MAP = _Names("map", "f")
 
 
 def in_reference() -> bool:
