@@ -39,6 +39,7 @@ from hop._transforms import DYNAMO_CALL
 from hop.compile._dynamo_values import VT, example, flatten, without_none
 from hop.ops.branching.cond import cond, cond_op
 from hop.ops.branching.switch import switch, switch_op
+from hop.ops.scanning._controls import check_count, check_unroll
 from hop.ops.scanning.associative_scan import associative_scan, associative_scan_op
 from hop.ops.scanning.map import map as hop_map
 from hop.ops.scanning.map import map_op
@@ -96,6 +97,10 @@ class PublicFunctionVariable(UserFunctionVariable):
             rest = {k: v for k, v in kwargs.items() if k != "unroll"}
             return chunked.call_function(tx, [self, *args], {**rest, "unroll": kwargs["unroll"]})
         if not _LOOP_CONTROLS.isdisjoint(kwargs) and _dynamic_length(tx, self.fn, args, kwargs):
+            if "unroll" in kwargs:  # refused as eager refuses it, before it is dropped
+                check_unroll("scan" if self.fn is scan else "map", example(kwargs["unroll"]))
+            if "batch_size" in kwargs:
+                check_count("map", "batch_size", example(kwargs["batch_size"]), 1)
             kwargs = {k: v for k, v in kwargs.items() if k not in _CHUNKING or example(v) is True}
         # Note [loop controls are programs of the operators]: a call with one is traced through
         if _reference.ACTIVE or not _LOOP_CONTROLS.isdisjoint(kwargs):

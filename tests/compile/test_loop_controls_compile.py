@@ -92,3 +92,11 @@ def test_aoti_and_onnx_run_the_controls(tmp_path: Path) -> None:
     got: Any = session.run(None, dict(zip(names, (INIT.numpy(), xs.numpy()), strict=True)))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.from_numpy(g), w)
+
+
+def test_a_misused_control_is_refused_under_a_dynamic_compile() -> None:
+    # with a dynamic length the chunking controls are dropped: their misuse is refused first
+    torch._dynamo.reset()
+    run = torch.compile(lambda xs: hop.scan(lambda c, x: (c + x, c), xs[0], xs, unroll=0), dynamic=True, fullgraph=True)
+    with pytest.raises(Exception, match="unroll must be at least 1"):
+        run(xs_of(6))

@@ -42,7 +42,7 @@ from hop import _output_checks, _pytree, _reference, _transforms
 from hop.errors import HopTypeError, HopValueError, format_message, type_name
 from hop.ops.scanning import _checks, _values
 
-__all__ = ["check_unroll", "in_reference", "map_batched", "scan_controlled", "unaliased"]
+__all__ = ["check_count", "check_unroll", "in_reference", "map_batched", "scan_controlled", "unaliased"]
 
 Fn = Callable[..., Any]
 
@@ -84,7 +84,7 @@ def check_unroll(name: str, unroll: Any) -> int | None:
     return unroll
 
 
-def _check_count(name: str, role: str, value: Any, least: int) -> None:
+def check_count(name: str, role: str, value: Any, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise HopTypeError(format_message(name, f"{role} must be an int, got {type_name(value)}"), op=name, role=role)
     if value < least:
@@ -101,7 +101,7 @@ def scan_controlled(
         _output_checks.check_arity("scan", "combine_fn", combine_fn, 2, "(carry, x)")
     steps = 1 if in_reference() else check_unroll("scan", unroll)
     if length is not None:
-        _check_count("scan", "length", length, 0)
+        check_count("scan", "length", length, 0)
     xs_leaves = _pytree.flatten_dropping_none(xs)[0]
     if not xs_leaves:
         if length is None:  # nothing to scan over, as without controls
@@ -240,7 +240,7 @@ def map_batched(public: Fn, f: Fn, xs: Any, args: tuple[Any, ...], batch_size: A
     """``public`` (hop.map) with ``batch_size`` (Note [loop controls are programs of the
     operators])."""
     _checks.check_callable("map", "f", f)
-    _check_count("map", "batch_size", batch_size, 1)
+    check_count("map", "batch_size", batch_size, 1)
     if in_reference():
         return public(f, xs, *args)
     leaves = _pytree.flatten_dropping_none(xs)[0]
