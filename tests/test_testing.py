@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import threading
 from typing import Any
 
@@ -353,3 +354,23 @@ def test_perturbed_arguments_keep_their_layout(layout: str) -> None:
     for new, old in ((moved, x), (flipped, flag)):
         assert (new.stride(), new.storage_offset(), new.shape) == (old.stride(), old.storage_offset(), old.shape)
     assert not torch.equal(moved, x) and torch.equal(flipped, ~flag)
+
+
+def test_export_compositions_skips_what_a_plain_program_fails_too() -> None:
+    # found by the compiled fuzzer's long profile: torch's non-strict export of
+    # torch.func.jvp(f), where f makes a tensor with a factory, lifts it as a fake constant
+    # wrapped by the jvp's level, which torch.export.save cannot store
+    def made(x: torch.Tensor) -> torch.Tensor:
+        o = x.reshape(-1, 1) @ torch.full((1, 1), 0.5)
+        return hop.cond(o.sum() < 0.5, lambda a: a * 2, lambda a: a * 3, (o.reshape(x.shape),))
+
+    report = check(made, torch.randn(3), transforms=("eager", "export_compositions"))
+    assert "a plain program neither" in report.skipped["export_compositions"]
+
+    class Plain(torch.nn.Module):  # the same without hop: when torch fixes it, drop the limitation
+        def forward(self, x: torch.Tensor, t: torch.Tensor) -> Any:
+            return torch.func.jvp(lambda v: (v.reshape(-1, 1) @ torch.full((1, 1), 0.5)) * 2, (x,), (t,))
+
+    ep = torch.export.export(Plain(), (torch.randn(3), torch.randn(3)), strict=False)
+    with pytest.raises(NotImplementedError, match="Cannot access storage of TensorWrapper"):
+        torch.export.save(ep, io.BytesIO())

@@ -49,12 +49,13 @@ from hop import (
     _pytree,
     _reference,
     _spec,
+    _transforms,
 )
 from hop._operator import HigherOrderOperator
 from hop.errors import HopError, HopTypeError, HopValueError, OutputMismatchError, format_message, type_name
 from hop.ops import _common
 from hop.ops._common import NOT_TAKEN, as_tuple, differentiable, front, save_operands, saved_operands
-from hop.ops.scanning import _checks, _derivatives, _rules, _values
+from hop.ops.scanning import _checks, _derivatives, _parallel_derivatives, _rules, _values
 from hop.ops.scanning.scan import SCAN, scan_op
 
 __all__ = ["associative_scan", "associative_scan_op"]
@@ -217,10 +218,7 @@ def _interleave(evens: torch.Tensor, odds: torch.Tensor, n: int) -> torch.Tensor
 def associative_scan_dense(
     combine_fn: Fn, xs: Sequence[Any], additional_inputs: Sequence[Any], combine_mode: str
 ) -> Any:
-    nx = len(xs)
-    combine = combine_fn
-    if combine_mode == "generic":
-        combine = torch.vmap(combine_fn, in_dims=(*[0] * (2 * nx), *[None] * len(additional_inputs)))
+    combine = _batched(combine_fn, combine_mode, len(xs), len(additional_inputs))
     n = xs[0].shape[0]
     if type(n) is not int:
         _common.refuse_legacy_onnx(_NAME, _checks.LENGTH)
@@ -339,6 +337,13 @@ def associative_scan_proxy(
     )
 
 
+def _batched(combine_fn: Fn, combine_mode: str, nx: int, nadd: int) -> Fn:
+    """``combine_fn`` on a batch of pairs: itself when pointwise, else vmapped."""
+    if combine_mode == "pointwise":
+        return combine_fn
+    return torch.vmap(combine_fn, in_dims=(*[0] * (2 * nx), *[None] * nadd))
+
+
 def _sequential(combine_fn: Fn) -> Fn:
     """The step of the sequential scan that equals the associative one: ``(*carry, *x, *additional)
     -> (*out, *out)`` with ``out = combine_fn(carry, x)``."""
@@ -352,8 +357,10 @@ def _sequential(combine_fn: Fn) -> Fn:
 
 class _Function(torch.autograd.Function):
     """An associative scan of traced values as one autograd node. Its derivatives are those of
-    the sequential scan ``out[0] = xs[0]``, ``out[t] = combine_fn(out[t - 1], xs[t])``: a reverse
-    ``hop.scan`` of the vjp of ``combine_fn`` and a ``hop.scan`` of its jvp (``scanning._derivatives``)."""
+    the sequential scan ``out[0] = xs[0]``, ``out[t] = combine_fn(out[t - 1], xs[t])``: the
+    backward in log depth when ``combine_fn`` is elementwise in its carry (Note [a parallel
+    backward for an elementwise combine]), else a reverse ``hop.scan`` of the vjp of
+    ``combine_fn``; forward mode a ``hop.scan`` of its jvp (``scanning._derivatives``)."""
 
     generate_vmap_rule = True
 
@@ -363,18 +370,40 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.combine_fn, _, ctx.nx, *operands = inputs
+        ctx.combine_fn, ctx.combine_mode, ctx.nx, *operands = inputs
         ctx.set_materialize_grads(False)  # None, not zeros: the derivatives leave them out
-        save_operands(ctx, operands)
+        ctx.nops = len(operands)
+        save_operands(ctx, [*operands, *as_tuple(output)])
 
     @staticmethod
     def _split(ctx: Any) -> tuple[list[Any], list[Any], list[Any], list[bool]]:
-        operands = saved_operands(ctx)
+        operands = saved_operands(ctx)[: ctx.nops]
         xs, additional = operands[: ctx.nx], operands[ctx.nx :]
         return xs, [x.select(0, 0) for x in xs], additional, [differentiable(x) for x in xs]
 
     @staticmethod
+    def _parallel(ctx: Any) -> tuple[Fn, _parallel_derivatives.Pattern, list[Any], list[Any], list[Any]] | None:
+        """The batched combine_fn, xs, outputs and additional inputs, where Note [a parallel
+        backward for an elementwise combine] applies; else None."""
+        saved = saved_operands(ctx)
+        xs, additional, ys = saved[: ctx.nx], saved[ctx.nx : ctx.nops], saved[ctx.nops :]
+        n = xs[0].shape[0]
+        if isinstance(n, int) and n < 2:
+            return None
+        pattern = _parallel_derivatives.carry_pattern(ctx.combine_fn, ctx.combine_mode == "pointwise", xs, additional)
+        if pattern is None:
+            return None
+        return _batched(ctx.combine_fn, ctx.combine_mode, ctx.nx, len(additional)), pattern, xs, ys, additional
+
+    @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
+        parallel = _Function._parallel(ctx)
+        if parallel is not None:
+            with _transforms.torch_ops_without_rules(_NAME, "combine_fn"):
+                g = _parallel_derivatives.parallel_vjp(
+                    associative_scan_op, *parallel, grads, ctx.needs_input_grad[3 + ctx.nx :]
+                )
+            return (None, None, None, *g)
         xs, init, additional, diff = _Function._split(ctx)
         nx = len(xs)
         g_ys = [g[1:] if d and g is not None else None for g, d in zip(grads, diff, strict=True)]
