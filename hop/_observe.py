@@ -53,6 +53,7 @@ class Frame:
     length: int | None = None
     validation: str | None = None  # "ran", "failed", "cached", "off"
     validation_us: float = 0.0
+    import_us: float = 0.0  # Note [the first ShapeEnv imports torch._dynamo] in hop._fake_run
     closures: list[str] = dataclasses.field(default_factory=list)
     detail: str | None = None
     traced: bool = False  # a node was put in a traced program: no branch ran for the program
@@ -199,6 +200,13 @@ def validation_run() -> Iterator[None]:
     _LOCAL.last_validation_us = us
     if frame is not None:
         frame.validation, frame.validation_us = "ran", frame.validation_us + us
+
+
+def one_time_import(us: float) -> None:
+    """The call made the process's first ShapeEnv, which imported torch._dynamo in ``us``."""
+    frame = current()
+    if frame is not None:
+        frame.import_us += us
 
 
 def verdict(key: Any, kind: Any, describe: Callable[[Any], str]) -> None:

@@ -74,6 +74,7 @@ def call_record(
         closures=tuple(frame.closures),
         elapsed_us=elapsed_us,
         depth=frame.depth,
+        import_us=frame.import_us or None,
     )
 
 

@@ -58,6 +58,9 @@ class DispatchRecord:
             over, described (``"float32[3] requires_grad"``).
         elapsed_us: how long the whole call took, in microseconds.
         depth: how many public calls enclose this record (0: called by the program).
+        import_us: of ``elapsed_us``, torch's one-time import of ``torch._dynamo``, which
+            the process's first validation pays (its shape environment imports it); None
+            on every later call.
     """
 
     op: str
@@ -75,6 +78,7 @@ class DispatchRecord:
     closures: tuple[str, ...] = ()
     elapsed_us: float | None = None
     depth: int = 0
+    import_us: float | None = None
 
     def __str__(self) -> str:
         s = f"{self.op}: {self.key} -> {self.route}"
@@ -102,6 +106,8 @@ class DispatchRecord:
             facts.append(f"lifted {len(self.closures)} from closures ({', '.join(self.closures)})")
         if self.elapsed_us is not None:
             facts.append(f"took {self.elapsed_us:.0f} us")
+        if self.import_us is not None:
+            facts.append(f"of which {self.import_us:.0f} us torch's one-time import of torch._dynamo")
         return facts
 
 

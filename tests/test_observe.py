@@ -330,3 +330,25 @@ def test_compiled_call_is_captured_with_its_subgraphs() -> None:
     captured = [r for r in calls(t, "cond") if r.key == "Dynamo"]
     assert captured and captured[0].route == "captured"
     assert {r.role for r in t if r.kind == "subgraph" and r.key == "Dynamo"} == {"true_fn", "false_fn"}
+
+
+def test_a_first_call_says_what_its_one_time_import_cost() -> None:
+    """A fresh process's first validated call imports torch._dynamo (torch's first ShapeEnv
+    does): its record says how much of ``took`` that was; a later call has no such share."""
+    import subprocess
+    import sys
+
+    program = """
+import sys, torch, hop
+assert "torch._dynamo" not in sys.modules
+x = torch.randn(3)
+with hop.debug.trace() as records:
+    hop.cond(x.sum() > 0, lambda a: a.sin(), lambda a: a.cos(), (x,))
+    hop.cond(x.sum() > 0, lambda a: a.tan(), lambda a: a.cos(), (x,))
+first, second = records
+assert first.import_us is not None and 0 < first.import_us <= first.elapsed_us, first
+assert "one-time import of torch._dynamo" in str(first)
+assert second.validation == "ran" and second.import_us is None, second
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
