@@ -526,3 +526,24 @@ def test_a_switch_in_a_map_body_over_transposed_slices(dynamic: bool) -> None:
     x = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(0)).transpose(1, 2)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(f, backend="inductor", fullgraph=True, dynamic=dynamic)(x), f(x))
+
+
+@pytest.mark.xfail(
+    VERSION < (2, 15),
+    strict=True,
+    reason="torch 2.13/2.14's Inductor compares a re-evaluated SymBool node (a runtime assert's `u >= 0` "
+    "inside a loop body) as if it were a SymInt (sympy.Eq of two relations) in its fake-tensor update and "
+    "raises TypeError; 2.15 compiles it. A loud error, never a wrong value; not yet avoided on hop's side",
+)
+def test_vmap_of_a_counted_loop_over_a_loop_with_an_int_counter() -> None:
+    # found by the compiled fuzzer's long profile (compile_inductor_vmap)
+    def fn(x: torch.Tensor) -> Any:
+        def body(i: Any, a: torch.Tensor) -> torch.Tensor:
+            return hop.while_loop(lambda k, v: k < 1, lambda k, v: (k + 1, v), (0, a))[1] + 0.1 * i
+
+        return hop.fori_loop(2, torch.tensor(3), body, x * 0.5)
+
+    torch._dynamo.reset()
+    xs = torch.randn(3)
+    got = torch.compile(torch.vmap(fn), backend="inductor", fullgraph=True, dynamic=True)(xs)
+    torch.testing.assert_close(got, torch.stack([fn(x) for x in xs]))
