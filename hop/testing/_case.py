@@ -110,8 +110,9 @@ VMAPPED = (
 # traced program is reordered too: where eager runs a concrete branch or loop as
 # Python (autograd accumulating step by step), the traced node differentiates with
 # hop's own rules (a scan's vjp is a reverse scan): 4e-6 relative in float32 under
-# aot_eager, found by the long profile.
-REORDERED = (*VMAPPED, "compile_inductor", "compile_inductor_static", "aoti", "export_compositions")
+# aot_eager, found by the long profile. onnxruntime's float32 kernels sum in their own
+# order too: 2.7e-6 relative on a scan of a scan's running sums (the deployed profile).
+REORDERED = (*VMAPPED, "compile_inductor", "compile_inductor_static", "aoti", "export_compositions", "onnx")
 _REORDERED_TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
 # Documented limitations of hop (see the operator pages) and of torch: when the
