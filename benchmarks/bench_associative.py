@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch._higher_order_ops.associative_scan import associative_scan as torch_associative_scan
@@ -60,19 +61,7 @@ def per_call(fn: Callable[[], Any]) -> float:
 
 def sequential_backward() -> Any:
     """hop as it was: every combine_fn differentiated as the sequential scan."""
-    return _Patched(_parallel_derivatives, "carry_pattern", lambda *args: None)
-
-
-class _Patched:
-    def __init__(self, owner: Any, name: str, value: Any) -> None:
-        self.owner, self.name, self.value = owner, name, value
-
-    def __enter__(self) -> None:
-        self.saved = getattr(self.owner, self.name)
-        setattr(self.owner, self.name, self.value)
-
-    def __exit__(self, *exc: Any) -> None:
-        setattr(self.owner, self.name, self.saved)
+    return mock.patch.object(_parallel_derivatives, "carry_pattern", lambda *args: None)
 
 
 def jax_rows(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, want: Any) -> list[tuple[str, float]]:

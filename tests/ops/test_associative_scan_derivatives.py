@@ -114,8 +114,10 @@ def test_traced_gradients_equal_the_sequential_scans(name: str) -> None:
     gm = make_fx(lambda *args: _grads(fn, args), tracing_mode="symbolic")(*_inputs(name, 6))
     scans = [n.target.name() for n in gm.graph.nodes if isinstance(n.target, hop.HigherOrderOperator)]
     parallel = CASES[name][3]
-    # the forward, then the backward: an associative scan of affine maps, or a recompute and a reverse scan
-    assert scans == (["associative_scan", "associative_scan"] if parallel else ["associative_scan", "scan", "scan"])
+    # the forward, then the backward: the forward recomputed and an associative scan of affine
+    # maps, or a recompute of the carries and a reverse scan
+    parallel_nodes = ["associative_scan"] * 3
+    assert scans == (parallel_nodes if parallel else ["associative_scan", "scan", "scan"])
     for n in (6, 2, 9):  # a symbolic size is traced as >= 2
         args = _inputs(name, n)
         torch.testing.assert_close(gm(*args), _grads(ref, args))
@@ -209,8 +211,8 @@ def test_a_parallel_node_has_the_operators_own_rules() -> None:
     fn = _program("linear", hop.associative_scan)
     gm = make_fx(lambda *args: _grads(fn, args), tracing_mode="fake")(*_inputs("linear", 8))
     nodes = [n for n in gm.graph.nodes if n.target is associative_scan_op]
-    assert len(nodes) == 2
-    assert nodes[1].args[3] == "pointwise"
+    assert len(nodes) == 3  # the forward, its recompute, the scan of affine maps
+    assert nodes[2].args[3] == "pointwise"
 
 
 def test_an_output_made_out_of_sight_keeps_the_sequential_backward() -> None:
@@ -225,3 +227,22 @@ def test_an_output_made_out_of_sight_keeps_the_sequential_backward() -> None:
     x = torch.randn(5, 3)
     assert _parallel_derivatives.carry_pattern(hidden, True, (x,), ()) is None
     assert _parallel_derivatives.carry_pattern(torch.mul, True, (x,), ()) == ((True,),)
+
+
+@pytest.mark.parametrize("name", ["linear", "matmul"])
+def test_an_output_written_in_place_before_the_backward(name: str) -> None:
+    """The node saves its operands only, as before the parallel backward: a program that
+    writes the scan's output in place before differentiating traces as it runs in eager."""
+    scanned, ref = _scanned(name, hop.associative_scan), _scanned(name, reference_associative_scan)
+
+    def grads(scan: Any) -> Any:
+        def g(*args: torch.Tensor) -> Any:
+            out = scan(*args)
+            leaves = out if isinstance(out, tuple) else (out,)
+            leaves[-1].mul_(2)
+            return torch.autograd.grad(sum(o.sum() for o in leaves), args[1:])
+
+        return g
+
+    gm = make_fx(grads(scanned), tracing_mode="fake")(*_inputs(name, 6))
+    torch.testing.assert_close(gm(*_inputs(name, 6)), grads(ref)(*_inputs(name, 6)))

@@ -372,27 +372,29 @@ class _Function(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.combine_fn, ctx.combine_mode, ctx.nx, *operands = inputs
         ctx.set_materialize_grads(False)  # None, not zeros: the derivatives leave them out
-        ctx.nops = len(operands)
-        save_operands(ctx, [*operands, *as_tuple(output)])
+        # the operands only, not the outputs: a program may write an output in place
+        # before its backward, as it may in eager (the backward recomputes them)
+        save_operands(ctx, operands)
 
     @staticmethod
     def _split(ctx: Any) -> tuple[list[Any], list[Any], list[Any], list[bool]]:
-        operands = saved_operands(ctx)[: ctx.nops]
+        operands = saved_operands(ctx)
         xs, additional = operands[: ctx.nx], operands[ctx.nx :]
         return xs, [x.select(0, 0) for x in xs], additional, [differentiable(x) for x in xs]
 
     @staticmethod
     def _parallel(ctx: Any) -> tuple[Fn, _parallel_derivatives.Pattern, list[Any], list[Any], list[Any]] | None:
-        """The batched combine_fn, xs, outputs and additional inputs, where Note [a parallel
-        backward for an elementwise combine] applies; else None."""
+        """The batched combine_fn, xs, outputs (recomputed, in log depth) and additional
+        inputs, where Note [a parallel backward for an elementwise combine] applies; else None."""
         saved = saved_operands(ctx)
-        xs, additional, ys = saved[: ctx.nx], saved[ctx.nx : ctx.nops], saved[ctx.nops :]
+        xs, additional = saved[: ctx.nx], saved[ctx.nx :]
         n = xs[0].shape[0]
         if isinstance(n, int) and n < 2:
             return None
         pattern = _parallel_derivatives.carry_pattern(ctx.combine_fn, ctx.combine_mode == "pointwise", xs, additional)
         if pattern is None:
             return None
+        ys = list(as_tuple(associative_scan_op(ctx.combine_fn, tuple(xs), tuple(additional), ctx.combine_mode)))
         return _batched(ctx.combine_fn, ctx.combine_mode, ctx.nx, len(additional)), pattern, xs, ys, additional
 
     @staticmethod
